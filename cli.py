@@ -1,0 +1,219 @@
+"""The ``mlx-stream`` command line (typer). Installed as ``mlx_stream.cli``.
+
+Each command is a few lines over one library function; MLX is imported inside the
+command bodies so ``mlx-stream --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    help="Speculative Streaming on MLX: faster decoding with the same output, no draft model.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, mlx-lm folder, .gguf file or Hugging Face repo id.")
+_HEADS = typer.Option(
+    "auto", "--heads",
+    help="Heads folder; 'auto' = the heads shipped for the model if any, else plain decoding.",
+)
+_NO_HEADS = typer.Option(False, "--no-heads", help="Decode plainly (one token per forward pass).")
+_TREE = typer.Option(
+    None, "--tree",
+    help="Draft tree: 'sparse' (default), 'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'.",
+)
+_DTYPE = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16 | quantized")
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def _load(model: str, heads: str, no_heads: bool, dtype: str):
+    from mlx_stream.loader import default_heads_path, load
+
+    if no_heads or heads == "none":
+        spec = None
+    elif heads == "auto":
+        spec = default_heads_path(model)
+    else:
+        spec = heads
+    return load(model, heads=spec, dtype=dtype)
+
+
+def _blas_hint() -> None:
+    from mlx_stream.env import blas_hint
+
+    hint = blas_hint()
+    if hint:
+        typer.echo(hint, err=True)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt ('-' reads stdin)."),
+    model: str = _MODEL,
+    heads: str = _HEADS,
+    no_heads: bool = _NO_HEADS,
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (> 0)."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
+    tree: Optional[str] = _TREE,
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt for the chat template."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    dtype: str = _DTYPE,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+):
+    """Generate a completion for one prompt."""
+    from mlx_stream.generate import check_generation, stream_generate
+    from mlx_stream.tree import parse_tree
+
+    try:
+        check_generation(max_tokens, temp)
+        if tree is not None:
+            parse_tree(tree, 1 << 10)
+    except ValueError as e:
+        _fail(str(e))
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    _blas_hint()
+    try:
+        m, tok = _load(model, heads, no_heads, dtype)
+        text = prompt
+        if not raw and tok.chat_template is not None:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tok.encode(text, add_special_tokens=tok.bos_token is None or not text.startswith(tok.bos_token))
+        pieces, tokens, last = [], [], None
+        for last in stream_generate(m, tok, ids, max_tokens=max_tokens, temp=temp, tree=tree, stop=stop, seed=seed):
+            pieces.append(last.text)
+            tokens.extend(last.tokens)
+            if not as_json:
+                typer.echo(last.text, nl=False)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps({
+            "text": "".join(pieces), "tokens": tokens, "finish_reason": last.finish_reason,
+            "prompt_tokens": last.prompt_tokens, "generation_tokens": last.generation_tokens,
+            "forward_passes": last.forward_passes, "tau": round(last.tau, 4),
+            "prompt_tps": round(last.prompt_tps, 2), "generation_tps": round(last.generation_tps, 2),
+            "peak_memory_gb": round(last.peak_memory, 4), "heads": m.heads is not None,
+        }))
+    else:
+        typer.echo(
+            f"\n[{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, tau {last.tau:.2f}, "
+            f"{last.finish_reason}]",
+            err=True,
+        )
+
+
+@app.command()
+def chat(
+    model: str = _MODEL,
+    heads: str = _HEADS,
+    no_heads: bool = _NO_HEADS,
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
+    tree: Optional[str] = _TREE,
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    dtype: str = _DTYPE,
+):
+    """Multi-turn chat; the KV cache is reused across turns. /reset clears, /exit quits."""
+    from mlx_stream.generate import PromptCache, check_generation, stream_generate
+    from mlx_stream.tree import parse_tree
+
+    try:
+        check_generation(max_tokens, temp)
+        if tree is not None:
+            parse_tree(tree, 1 << 10)
+    except ValueError as e:
+        _fail(str(e))
+    _blas_hint()
+    try:
+        m, tok = _load(model, heads, no_heads, dtype)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    if tok.chat_template is None:
+        _fail(f"{model} has no chat template; use `mlx-stream generate --raw`")
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")
+    cache = PromptCache(m)
+    base = [{"role": "system", "content": system}] if system else []
+    messages = list(base)
+    mode = "stream heads" if m.heads is not None else "plain decoding"
+    typer.echo(f"mlx-stream chat: {model} ({mode}). /reset clears the conversation, /exit quits, Ctrl-C stops a reply.")
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            typer.echo()
+            return
+        except KeyboardInterrupt:
+            typer.echo()
+            return
+        line = "".join(ch for ch in line if ch.isprintable() or ch in "\t\n")
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = list(base)
+            cache.reset()
+            typer.echo("[conversation cleared]")
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        reply, last = [], None
+        try:
+            for last in stream_generate(m, tok, prompt, max_tokens=max_tokens, temp=temp, tree=tree,
+                                        seed=seed, prompt_cache=cache):
+                reply.append(last.text)
+                typer.echo(last.text, nl=False)
+        except KeyboardInterrupt:
+            cache.reset()  # an interrupted step may leave layers half-updated: start clean
+            typer.echo("\n[stopped]")
+        except ValueError as e:
+            messages.pop()
+            typer.echo(f"\nerror: {e}", err=True)
+            continue
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        if last is not None:
+            typer.echo(
+                f"\n[{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, tau {last.tau:.2f}, "
+                f"prompt {last.prompt_tokens} tokens]",
+                err=True,
+            )
+
+
+@app.command()
+def convert(
+    src: str = typer.Argument(..., help="A llama-architecture .gguf file."),
+    out: str = typer.Option(..., "--out", "-o", help="Output folder (must not exist or be empty)."),
+    dequantize: bool = typer.Option(False, "--dequantize", help="Store float32 weights instead of quantised ones."),
+):
+    """Convert a checkpoint into an mlx-lm model folder (loadable by mlx_lm.load)."""
+    from mlx_stream.convert import convert_gguf
+
+    if not src.endswith(".gguf"):
+        _fail(f"{src}: only .gguf files are converted for now")
+    try:
+        path = convert_gguf(src, out, dequantize=dequantize)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    typer.echo(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    app()

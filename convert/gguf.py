@@ -1,0 +1,278 @@
+"""GGUF (llama architecture) -> mlx-lm model folder.
+
+MLX reads GGUF natively (``mx.load``): F32/F16 tensors as arrays, Q4_0/Q4_1/Q8_0
+as MLX affine-quantised triplets (weight, scales, biases) with group size 32, which
+represent the GGUF blocks exactly. What this module adds:
+
+* tensor names mapped to the upstream (Hugging Face / mlx-lm) names;
+* llama.cpp's permutation of the Q and K projection rows undone (llama.cpp's
+  ``convert_hf_to_gguf.py`` interleaves the two rotary halves of every head, for its
+  "traditional" RoPE; mlx-lm's llama uses the split-half layout);
+* ``config.json`` from the GGUF metadata (with mlx-lm's ``quantization`` block when
+  tensors stay quantised);
+* ``tokenizer.json`` + ``tokenizer_config.json`` rebuilt from the GGUF's tokens,
+  merges, special tokens and chat template (byte-level BPE vocabularies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+_LAYER_MAP = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# llama.cpp pre-tokenizer names -> (split digits individually, regex split before byte-level)
+_PRE_TOKENIZERS = {
+    "default": False,
+    "gpt2": False,
+    "gpt-2": False,
+    "smollm": True,
+    "starcoder": True,
+    "refact": True,
+}
+
+
+def _scalar(meta, key, default=None):
+    v = meta.get(key, default)
+    if isinstance(v, mx.array):
+        return v.item()
+    return v
+
+
+def _unpermute(w: mx.array, n_head: int) -> mx.array:
+    """Inverse of llama.cpp's ``permute``: rows (n_head, D/2, 2) -> (n_head, 2, D/2)."""
+    rows = w.shape[0]
+    return (
+        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def read_gguf(path: str | Path) -> tuple[dict, dict]:
+    """Read a GGUF file with MLX.
+
+    Returns:
+        ``(tensors, metadata)``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not a readable GGUF or holds tensor types MLX does
+            not load (anything but F32, F16, Q4_0, Q4_1, Q8_0); the message names it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: GGUF file not found")
+    try:
+        return mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(
+            f"{path}: cannot read this GGUF ({e}); supported tensor types are "
+            "F32, F16, Q4_0, Q4_1 and Q8_0"
+        ) from e
+
+
+def gguf_config(meta: dict, quantization: dict | None, tied: bool) -> dict:
+    """An mlx-lm / Hugging Face ``config.json`` for a llama-architecture GGUF."""
+    arch = meta.get("general.architecture")
+    p = f"{arch}."
+    n_head = int(_scalar(meta, p + "attention.head_count"))
+    hidden = int(_scalar(meta, p + "embedding_length"))
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_scalar(meta, p + "block_count")),
+        "intermediate_size": int(_scalar(meta, p + "feed_forward_length")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(_scalar(meta, p + "attention.head_count_kv", n_head)),
+        "rms_norm_eps": float(_scalar(meta, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(_scalar(meta, p + "context_length", 2048)),
+        "rope_theta": float(_scalar(meta, p + "rope.freq_base", 10000.0)),
+        "head_dim": int(_scalar(meta, p + "rope.dimension_count", hidden // n_head)),
+        "tie_word_embeddings": tied,
+        "bos_token_id": _scalar(meta, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _scalar(meta, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    scaling = meta.get(p + "rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"type": "linear", "factor": float(_scalar(meta, p + "rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"rope scaling {scaling!r} in the GGUF is not supported (only linear)")
+    if "tokenizer.ggml.vocab_size" in meta or p + "vocab_size" in meta:
+        cfg["vocab_size"] = int(_scalar(meta, p + "vocab_size"))
+    else:
+        cfg["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    if quantization:
+        cfg["quantization"] = quantization
+        cfg["quantization_config"] = quantization
+    return cfg
+
+
+def gguf_weights(tensors: dict, meta: dict) -> dict:
+    """GGUF tensors renamed to mlx-lm's llama names, Q/K rows un-permuted."""
+    arch = meta.get("general.architecture")
+    n_head = int(_scalar(meta, f"{arch}.attention.head_count"))
+    n_kv = int(_scalar(meta, f"{arch}.attention.head_count_kv", n_head))
+    out = {}
+    for name, w in tensors.items():
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|scales|biases|bias)", name)
+        if m:
+            layer, kind, suffix = m.groups()
+            if kind not in _LAYER_MAP:
+                raise ValueError(f"unexpected GGUF tensor {name!r} for a llama model")
+            if kind == "attn_q":
+                w = _unpermute(w, n_head)
+            elif kind == "attn_k":
+                w = _unpermute(w, n_kv)
+            out[f"model.layers.{layer}.{_LAYER_MAP[kind]}.{suffix}"] = w
+            continue
+        m = re.fullmatch(r"(\w+)\.(weight|scales|biases)", name)
+        if m and m.group(1) in _TOP_MAP:
+            out[f"{_TOP_MAP[m.group(1)]}.{m.group(2)}"] = w
+        elif name != "rope_freqs.weight":
+            raise ValueError(f"unexpected GGUF tensor {name!r} for a llama model")
+    return out
+
+
+def gguf_tokenizer(meta: dict, out_dir: Path) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` rebuilt from GGUF metadata.
+
+    Raises:
+        ValueError: a tokenizer model other than byte-level BPE (``gpt2``) or an
+            unknown pre-tokenizer; the message names it.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
+            "convert the Hugging Face checkpoint instead"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
+        )
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    types = meta.get("tokenizer.ggml.token_type")
+    types = [int(t) for t in types.tolist()] if types is not None else [1] * len(tokens)
+
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if _PRE_TOKENIZERS[pre]:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    # GGUF token types: 3 = control, 4 = user-defined; both are matched whole
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
+    )
+    tok.save(str(out_dir / "tokenizer.json"))
+
+    def name(key):
+        i = _scalar(meta, key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    tcfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name("tokenizer.ggml.bos_token_id"),
+        "eos_token": name("tokenizer.ggml.eos_token_id"),
+        "unk_token": name("tokenizer.ggml.unknown_token_id"),
+        "pad_token": name("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(_scalar(meta, f"{meta.get('general.architecture')}.context_length", 2048)),
+    }
+    if "tokenizer.chat_template" in meta:
+        tcfg["chat_template"] = meta["tokenizer.chat_template"]
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False))
+
+
+def convert_gguf(src: str | Path, out: str | Path, dequantize: bool = False) -> Path:
+    """Convert a llama-architecture GGUF file into an mlx-lm model folder.
+
+    The folder (``config.json``, ``model.safetensors``, ``tokenizer.json``,
+    ``tokenizer_config.json``) loads with plain ``mlx_lm.load``. It is written to a
+    temporary folder beside ``out`` and renamed into place, so a failed conversion
+    leaves nothing behind.
+
+    Args:
+        src: the ``.gguf`` file.
+        out: the output folder (must not exist, or be empty).
+        dequantize: store float32 weights instead of keeping Q4_0/Q4_1/Q8_0 tensors
+            MLX-quantised (both are exact representations of the GGUF).
+
+    Raises:
+        FileNotFoundError: ``src`` is missing.
+        ValueError: not a llama-architecture GGUF, an unsupported tensor or
+            tokenizer type, or ``out`` is a non-empty folder.
+    """
+    src, out = Path(src), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: output folder exists and is not empty; choose another --out")
+    tensors, meta = read_gguf(src)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{src}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    weights = gguf_weights(tensors, meta)
+    tied = "lm_head.weight" not in weights
+    quantization = None
+    quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+    if quantized and dequantize:
+        for base in quantized:
+            w = weights.pop(base + ".weight")
+            s = weights.pop(base + ".scales").astype(mx.float32)
+            b = weights.pop(base + ".biases").astype(mx.float32)
+            # uint32 columns per 32-weight group = bits per weight
+            weights[base + ".weight"] = mx.dequantize(w, s, b, group_size=32, bits=w.shape[-1] // s.shape[-1])
+    elif quantized:
+        # every GGUF block type MLX loads has 32 weights per block
+        # uint32 columns per 32-weight group = bits per weight; GGUF files mix widths
+        # (e.g. Q8_0 embeddings beside Q4_1 layers): mlx-lm takes per-layer overrides
+        bits = {b: weights[b + ".weight"].shape[-1] // weights[b + ".scales"].shape[-1] for b in quantized}
+        common = max(set(bits.values()), key=list(bits.values()).count)
+        quantization = {"group_size": 32, "bits": common, "mode": "affine"}
+        for b, nb in sorted(bits.items()):
+            if nb != common:
+                quantization[b] = {"group_size": 32, "bits": nb, "mode": "affine"}
+    weights = {k: (v.astype(mx.float32) if v.dtype in (mx.float16, mx.bfloat16) and not k.endswith((".scales", ".biases")) else v)
+               for k, v in weights.items()}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        cfg = gguf_config(meta, quantization, tied)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        gguf_tokenizer(meta, tmp)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

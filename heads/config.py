@@ -1,0 +1,60 @@
+"""Stream-head configuration (saved as the heads folder's ``config.json``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ARCHITECTURES = ("residual",)
+
+
+@dataclass
+class HeadConfig:
+    """Configuration of K stream heads.
+
+    Attributes:
+        num_heads: K; head j (1..K) predicts token t+1+j from the hidden state at t.
+        hidden_size: the backbone's hidden size H.
+        vocab_size: the backbone's vocabulary size V (logits come from the
+            backbone's frozen output projection).
+        architecture: the head architecture (one of :data:`ARCHITECTURES`).
+        num_layers: residual blocks per head.
+        fingerprint: the backbone these heads were trained for (see
+            :func:`mlx_stream.heads.backbone_fingerprint`).
+    """
+
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    architecture: str = "residual"
+    num_layers: int = 1
+    fingerprint: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"unknown head architecture {self.architecture!r}; known: {', '.join(ARCHITECTURES)}"
+            )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_file(cls, path: Path) -> "HeadConfig":
+        """Read ``config.json``.
+
+        Raises:
+            FileNotFoundError: the file is missing.
+            ValueError: the file is not valid JSON or lacks a required field.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: heads config not found (expected config.json in the heads folder)")
+        try:
+            raw = json.loads(path.read_text())
+            return cls(**raw)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{path}: not a valid heads config.json ({e})") from e

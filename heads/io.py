@@ -1,0 +1,136 @@
+"""Saving and loading stream heads: a folder with ``config.json`` + ``heads.safetensors``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .config import HeadConfig
+from .modules import StreamHeads
+
+
+def _output_weight(backbone) -> mx.array:
+    head = backbone.model.embed_tokens
+    if not getattr(backbone.args, "tie_word_embeddings", True) and hasattr(backbone, "lm_head"):
+        head = backbone.lm_head
+    if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return mx.dequantize(
+            head.weight, head.scales.astype(mx.float32), head.biases.astype(mx.float32),
+            head.group_size, head.bits,
+        )
+    return head.weight
+
+
+def backbone_fingerprint(backbone, tokenizer) -> dict:
+    """Identify a backbone so heads trained for it are not used on another.
+
+    Returns a dict: ``architecture`` (mlx-lm ``model_type``), ``hidden_size``,
+    ``vocab_size``, ``tokenizer`` (sha256 of the sorted vocabulary, first 16 hex
+    digits) and ``weights`` (sha256 of the output projection rounded to float16, so
+    the same weights quantised or not give the same value, first 16 hex digits).
+    """
+    args = backbone.args
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    tok_hash = hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
+    w = np.array(_output_weight(backbone).astype(mx.float16))
+    return {
+        "architecture": backbone.model_type,
+        "hidden_size": int(args.hidden_size),
+        "vocab_size": int(args.vocab_size),
+        "tokenizer": tok_hash,
+        "weights": hashlib.sha256(w.tobytes()).hexdigest()[:16],
+    }
+
+
+def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed: int | None = None,
+              scale: float = 0.0) -> StreamHeads:
+    """Fresh heads for ``backbone``: zero-initialised (``scale=0``), or random with
+    weights drawn from N(0, scale^2) (for tests). Carries the backbone fingerprint."""
+    cfg = HeadConfig(
+        num_heads=num_heads,
+        hidden_size=int(backbone.args.hidden_size),
+        vocab_size=int(backbone.args.vocab_size),
+        num_layers=num_layers,
+        fingerprint=backbone_fingerprint(backbone, tokenizer),
+    )
+    heads = StreamHeads(cfg)
+    if scale > 0:
+        flat = tree_flatten(heads.parameters())
+        keys = mx.random.split(mx.random.key(0 if seed is None else seed), len(flat))
+        params = [(name, scale * mx.random.normal(p.shape, key=k)) for (name, p), k in zip(flat, keys)]
+        heads.load_weights(params)
+    mx.eval(heads.parameters())
+    return heads
+
+
+def save_heads(heads: StreamHeads, path: str | Path) -> Path:
+    """Write ``config.json`` and ``heads.safetensors`` into the folder ``path``.
+
+    The folder is written next to its destination and renamed into place, so an
+    interrupted save leaves either the old folder or the new one, never half of one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        (tmp / "config.json").write_text(heads.config.to_json())
+        mx.save_safetensors(str(tmp / "heads.safetensors"), dict(tree_flatten(heads.parameters())),
+                            metadata={"format": "mlx"})
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def load_heads(path: str | Path, fingerprint: dict | None = None) -> StreamHeads:
+    """Load heads from a folder written by :func:`save_heads`.
+
+    Args:
+        path: the heads folder.
+        fingerprint: the backbone's :func:`backbone_fingerprint`; when given, heads
+            trained for another backbone are refused.
+
+    Raises:
+        FileNotFoundError: the folder or one of its files is missing.
+        ValueError: a corrupt file, weights that do not match the config, or a
+            fingerprint mismatch (the message names both backbones).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: heads folder not found (expected config.json + heads.safetensors)")
+    cfg = HeadConfig.from_file(path / "config.json")
+    if fingerprint is not None and cfg.fingerprint != fingerprint:
+        raise ValueError(
+            f"{path}: these heads were trained for backbone {cfg.fingerprint} but the loaded "
+            f"backbone is {fingerprint}; train heads for this model with `mlx-stream train`"
+        )
+    wfile = path / "heads.safetensors"
+    if not wfile.is_file():
+        raise FileNotFoundError(f"{wfile}: heads weights not found")
+    try:
+        weights = mx.load(str(wfile))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise ValueError(f"{wfile}: not a readable safetensors file ({e})") from e
+    heads = StreamHeads(cfg)
+    try:
+        heads.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{wfile}: weights do not match {path / 'config.json'} ({e})") from e
+    mx.eval(heads.parameters())
+    return heads

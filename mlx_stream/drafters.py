@@ -1,0 +1,118 @@
+"""Drafters: what proposes the tokens of the next draft tree.
+
+The verifier does not care where drafts come from. A drafter owns a static
+:class:`~mlx_stream.tree.Tree` and, once per decoding step, fills its non-root
+nodes with tokens. The stream-head drafter reads the backbone's hidden state at
+the last accepted position; other drafters (the test oracle here; n-gram or a
+separate draft model later) use the emitted tokens instead.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import mlx.core as mx
+
+from .tree import Tree, no_drafts
+
+
+class Drafter(Protocol):
+    """The drafting interface.
+
+    Attributes:
+        tree: the tree shape this drafter fills (root included).
+    """
+
+    tree: Tree
+
+    def draft(self, hidden: mx.array, tokens: Sequence[int]) -> mx.array:
+        """Tokens for the tree's non-root nodes.
+
+        Args:
+            hidden: ``(H,)`` the backbone's final hidden state at the last accepted
+                position (the one whose canonical prediction is the root).
+            tokens: every token so far, prompt and output, the root last.
+
+        Returns:
+            ``(tree.size - 1,)`` int32 draft tokens in node order (may stay lazy).
+        """
+        ...
+
+
+class NoDrafter:
+    """Drafts nothing: one token per forward pass (plain decoding, same loop)."""
+
+    def __init__(self):
+        self.tree = no_drafts()
+
+    def draft(self, hidden, tokens):
+        return mx.zeros((0,), dtype=mx.int32)
+
+
+class HeadsDrafter:
+    """Fill the tree from the stream heads' top-k at one hidden state.
+
+    A node at depth d with rank r gets head d's r-th most likely token
+    (Speculative Streaming, Bhendawade et al. 2024, sec. 3.3; Medusa tree
+    candidates, Cai et al. 2024, sec. 2.1.2). The heads run on a single hidden
+    vector per step, and the top-k and the gather stay on the device.
+    """
+
+    def __init__(self, model, tree: Tree):
+        if model.heads is None:
+            raise ValueError("HeadsDrafter needs a model with stream heads")
+        if tree.size > 1 and tree.depth > model.heads.num_heads:
+            raise ValueError(f"tree depth {tree.depth} exceeds the {model.heads.num_heads} loaded heads")
+        self.model = model
+        self.tree = tree
+        self._k = max(tree.topk(), default=0)
+        self._head_idx = mx.array(tree.depths[1:] - 1, dtype=mx.int32)
+        self._rank_idx = mx.array(tree.ranks[1:], dtype=mx.int32)
+
+    def draft(self, hidden, tokens):
+        if self.tree.size == 1:
+            return mx.zeros((0,), dtype=mx.int32)
+        logits = self.model.head_logits(hidden)[: self.tree.depth]  # (D, V)
+        if self._k == 1:
+            top = mx.argmax(logits, axis=-1, keepdims=True)
+        else:
+            part = mx.argpartition(-logits, kth=self._k - 1, axis=-1)[:, : self._k]  # (D, k) unordered
+            order = mx.argsort(-mx.take_along_axis(logits, part, axis=-1), axis=-1)
+            top = mx.take_along_axis(part, order, axis=-1)  # (D, k), best first
+        return top[self._head_idx, self._rank_idx].astype(mx.int32)
+
+
+class OracleDrafter:
+    """Proposes a known continuation (for tests and for measuring the loop's ceiling).
+
+    Given the target's own greedy output for the prompt, the rank-0 path of the
+    tree drafts exactly the next tokens of that output, so every draft on it is
+    accepted; other ranks draft ``(true token + rank) mod V``, which is wrong.
+    With ``wrong=True`` every node drafts a wrong token, so nothing is accepted.
+
+    Args:
+        prompt_len: number of prompt tokens.
+        continuation: the target's output after the prompt.
+        tree: the tree to fill.
+        vocab_size: V.
+        wrong: draft a wrong token at every depth.
+    """
+
+    def __init__(self, prompt_len: int, continuation: Sequence[int], tree: Tree, vocab_size: int,
+                 wrong: bool = False):
+        self.prompt_len = prompt_len
+        self.continuation = list(continuation)
+        self.tree = tree
+        self.vocab_size = vocab_size
+        self.wrong = wrong
+
+    def draft(self, hidden, tokens):
+        pos = len(tokens) - self.prompt_len  # index in the continuation of the first draft
+        out = []
+        for i in range(1, self.tree.size):
+            d, r = int(self.tree.depths[i]), int(self.tree.ranks[i])
+            j = pos + d - 1
+            true = self.continuation[j] if j < len(self.continuation) else 0
+            shift = r + (1 if self.wrong else 0)
+            out.append((true + shift) % self.vocab_size)
+        return mx.array(out, dtype=mx.int32)

@@ -1,0 +1,315 @@
+"""The Speculative Streaming decode loop.
+
+Prefill the prompt; then each step is exactly one backbone forward over the draft
+tree (root = the last emitted token, then the drafts): it yields the canonical
+logits at every node, which verify the drafts, and the hidden state at the last
+accepted node, from which the stream heads draft the next tree (Bhendawade et al.
+2024, sec. 3.2-3.3). The KV cache keeps only the accepted path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import cache_offset, keep_path, make_tree_cache, trim_cache
+from .drafters import Drafter, HeadsDrafter, NoDrafter
+from .sampling import check_sampling, probabilities
+from .tree import Tree, parse_tree
+from .verify import verify_greedy, verify_sample
+
+
+@dataclass
+class GenerationResponse:
+    """One decoding step's output (one step may emit several tokens).
+
+    Attributes:
+        text: the text delta released this step (text that could still become a
+            stop string is held back until it cannot).
+        tokens: token ids emitted this step.
+        accepted: drafts accepted this step.
+        prompt_tokens: prompt length in tokens (including reused cache entries).
+        prompt_tps: prefill speed, tokens/s (over the tokens actually prefilled).
+        generation_tokens: tokens emitted so far.
+        generation_tps: tokens/s since the first token.
+        forward_passes: decoding forward passes so far (the prefill excluded; the
+            first token comes from the prefill).
+        peak_memory: peak memory so far, GB.
+        finish_reason: ``None`` while running, then ``"stop"`` (EOS or a stop string)
+            or ``"length"`` (max_tokens or the context window).
+        tau: mean tokens per decoding forward pass so far: the tokens the target
+            produced after the first (an ending EOS included) over ``forward_passes``.
+            Plain decoding gives 1.0.
+    """
+
+    text: str
+    tokens: list[int]
+    accepted: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    forward_passes: int
+    peak_memory: float
+    finish_reason: str | None = None
+    tau: float = 0.0
+
+
+class PromptCache:
+    """A KV cache that persists across calls (multi-turn chat).
+
+    Attributes:
+        layers: one :class:`~mlx_stream.cache.TreeKVCache` per backbone layer.
+        tokens: the tokens whose keys/values the cache holds, in order.
+    """
+
+    def __init__(self, model):
+        self.layers = make_tree_cache(model.backbone)
+        self.tokens: list[int] = []
+
+    def reset(self) -> None:
+        """Forget everything."""
+        trim_cache(self.layers, 0)
+        self.tokens = []
+
+    def reuse(self, ids: Sequence[int]) -> int:
+        """Trim the cache to its longest common prefix with ``ids``, leaving at least
+        one token of ``ids`` to prefill. Returns the number of tokens reused."""
+        n = 0
+        limit = min(len(self.tokens), len(ids) - 1)
+        while n < limit and self.tokens[n] == ids[n]:
+            n += 1
+        trim_cache(self.layers, n)
+        self.tokens = self.tokens[:n]
+        return n
+
+
+def _encode(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        # as mlx_lm.stream_generate: no second BOS when the text already has one
+        bos = tokenizer.bos_token
+        return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    if isinstance(prompt, mx.array):
+        return [int(t) for t in prompt.reshape(-1).tolist()]
+    return [int(t) for t in prompt]
+
+
+def check_generation(max_tokens: int, temp: float) -> None:
+    """Raise ``ValueError`` for ``max_tokens <= 0`` or a negative temperature."""
+    if not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    check_sampling(temp)
+
+
+class _Emitter:
+    """Applies the stop conditions token by token and releases text safely."""
+
+    def __init__(self, tokenizer, max_tokens: int, stop: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.eos = set(tokenizer.eos_token_ids)
+        self.max_tokens = max_tokens
+        self.stop = [s for s in stop if s]
+        self.maxlen = max((len(s) for s in self.stop), default=0)
+        self.tokens: list[int] = []
+        self.eos_hit = False
+        self.sent = 0
+
+    def _stop_at(self, text: str, start: int) -> int | None:
+        hits = [i for i in (text.find(s, max(0, start)) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _holdback(self, text: str) -> int:
+        for n in range(min(self.maxlen - 1, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def push(self, chunk: Sequence[int], out_of_room: bool = False) -> tuple[str, list[int], str | None]:
+        """Feed one step's tokens. Returns ``(text delta, tokens kept, finish_reason)``."""
+        kept: list[int] = []
+        reason = None
+        for t in chunk:
+            if t in self.eos:
+                reason = "stop"
+                self.eos_hit = True
+                break
+            kept.append(t)
+            self.tokens.append(t)
+            self.detok.add_token(t)
+            if self.stop and self._stop_at(self.detok.text, self.sent - self.maxlen) is not None:
+                reason = "stop"
+                break
+            if len(self.tokens) >= self.max_tokens:
+                reason = "length"
+                break
+        if reason is None and out_of_room:
+            reason = "length"
+        if reason is not None:
+            self.detok.finalize()
+        text = self.detok.text
+        end = len(text)
+        if self.stop:
+            cut = self._stop_at(text, self.sent - self.maxlen)
+            if cut is not None:
+                end, reason = cut, "stop"
+            elif reason is None:
+                end -= self._holdback(text)
+        if reason is None and text.endswith("\ufffd"):
+            end = min(end, len(text) - 1)  # an incomplete UTF-8 sequence
+        delta = text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return delta, kept, reason
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: str | Sequence[int] | mx.array,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    tree: str | Sequence[Sequence[int]] | Tree | None = None,
+    drafter: Drafter | None = None,
+    stop: Sequence[str] | str | None = None,
+    seed: int | None = None,
+    prompt_cache: PromptCache | None = None,
+    prefill_step_size: int = 2048,
+) -> Iterator[GenerationResponse]:
+    """Generate with Speculative Streaming, yielding one response per decoding step.
+
+    Greedy output (``temp=0``) is token-for-token the backbone's greedy output;
+    sampled output has exactly the backbone's distribution (see
+    :mod:`mlx_stream.verify`).
+
+    Args:
+        model: a :class:`~mlx_stream.model.SpeculativeModel` from :func:`mlx_stream.load`.
+        tokenizer: its tokenizer.
+        prompt: text (encoded as mlx-lm does), or token ids.
+        max_tokens: the most tokens to emit (> 0).
+        temp: sampling temperature; 0 is greedy.
+        tree: the draft tree when drafting with the model's heads (see
+            :func:`mlx_stream.tree.parse_tree`); ignored without heads.
+        drafter: a custom :class:`~mlx_stream.drafters.Drafter` (overrides ``tree``).
+        stop: stop string(s); output ends before the first occurrence.
+        seed: seed for sampling (``temp > 0``).
+        prompt_cache: a :class:`PromptCache` to reuse across calls; its common
+            prefix with the prompt is not recomputed.
+        prefill_step_size: prompt tokens per prefill chunk.
+
+    Yields:
+        :class:`GenerationResponse`; the last one has ``finish_reason`` set.
+
+    Raises:
+        ValueError: bad parameters, an empty prompt, or a prompt that does not fit
+            in the context window (checked before any forward pass).
+    """
+    check_generation(max_tokens, temp)
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    ids = _encode(tokenizer, prompt)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    ctx = model.context_length
+    if ctx is not None and len(ids) >= ctx:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens but the model's context window is {ctx}: "
+            "shorten the prompt"
+        )
+    if drafter is None:
+        if model.heads is not None:
+            drafter = HeadsDrafter(model, parse_tree(tree, model.heads.num_heads))
+        else:
+            drafter = NoDrafter()
+    cache = prompt_cache if prompt_cache is not None else PromptCache(model)
+    fam, backbone = model.family, model.backbone
+    rng = np.random.default_rng(seed)
+    emitter = _Emitter(tokenizer, max_tokens, stop)
+
+    # prefill; the last hidden state gives the first token and feeds the heads
+    tic = time.perf_counter()
+    reused = cache.reuse(ids)
+    rest = ids[reused:]
+    for i in range(0, len(rest), prefill_step_size):
+        hidden = fam.prefill_hidden(backbone, mx.array(rest[i : i + prefill_step_size]), cache.layers)[-1]
+        mx.eval(hidden, [c.state for c in cache.layers])
+    cache.tokens = list(ids)
+    logits = fam.project(backbone, hidden)
+    if temp == 0:
+        y = int(mx.argmax(logits).item())
+    else:
+        p = np.array(probabilities(logits[None], temp)[0], dtype=np.float64)
+        y = int(rng.choice(p.shape[0], p=p / p.sum()))
+    prompt_time = time.perf_counter() - tic
+    prompt_tps = len(rest) / prompt_time
+    tic = time.perf_counter()
+
+    n_fwd, accepted, chunk = 0, 0, [y]
+    tokens = list(ids)  # prompt + output; the root is last
+    while True:
+        tokens.extend(chunk)
+        start = cache_offset(cache.layers)  # == len(tokens) - 1: the root is not cached
+        # prompt + output never exceeds the context window
+        room = (ctx - len(tokens)) if ctx is not None else None  # tokens that may still follow
+        delta, kept, reason = emitter.push(chunk, out_of_room=room is not None and room <= 0)
+        elapsed = max(time.perf_counter() - tic, 1e-9)
+        yield GenerationResponse(
+            text=delta, tokens=kept, accepted=accepted, prompt_tokens=len(ids), prompt_tps=prompt_tps,
+            generation_tokens=len(emitter.tokens), generation_tps=len(emitter.tokens) / elapsed,
+            forward_passes=n_fwd, peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
+            tau=(len(emitter.tokens) + emitter.eos_hit - 1) / n_fwd if n_fwd else 0.0,
+        )
+        if reason is not None:
+            return
+
+        # one forward over the tree: verify last step's drafts, draft the next tree
+        depth = min(max_tokens - len(emitter.tokens) - 1, room - 1 if room is not None else 1 << 30)
+        t = drafter.tree.truncate(depth)
+        drafts = drafter.draft(hidden, tokens)[: t.size - 1]
+        node_tokens = mx.concatenate([mx.array([y], dtype=mx.int32), drafts.astype(mx.int32)])
+        positions = mx.array(start + t.depths, dtype=mx.int32)
+        mask = None
+        if t.size > 1:
+            mask = mx.concatenate([mx.ones((t.size, start), dtype=mx.bool_), mx.array(t.mask)], axis=1)
+        h = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers)  # (N, H)
+        logits = fam.project(backbone, h)  # (N, V)
+        if temp == 0:
+            targets = mx.argmax(logits, axis=-1)
+            mx.eval(node_tokens, targets)
+            node_list = node_tokens.tolist()
+            path, y = verify_greedy(t, node_list, targets.tolist())
+        else:
+            probs = probabilities(logits, temp)
+            mx.eval(node_tokens, probs)
+            node_list = node_tokens.tolist()
+            path, y = verify_sample(t, node_list, np.array(probs), rng)
+        keep_path(cache.layers, start, path)
+        cache.tokens.extend(node_list[i] for i in path)
+        hidden = h[path[-1]]
+        accepted = len(path) - 1
+        chunk = [node_list[i] for i in path[1:]] + [y]
+        n_fwd += 1
+
+
+def generate(model, tokenizer, prompt, max_tokens: int = 256, verbose: bool = False, **kwargs) -> str:
+    """Generate and return the whole text; arguments as :func:`stream_generate`.
+
+    With ``verbose=True`` the text is printed as it streams, then a stats line.
+    """
+    text = []
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
+        text.append(last.text)
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print(
+            f"\n==========\nPrompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s\n"
+            f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s, "
+            f"tau {last.tau:.2f}\nPeak memory: {last.peak_memory:.3f} GB"
+        )
+    return "".join(text)

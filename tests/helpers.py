@@ -1,0 +1,49 @@
+"""Test helpers: greedy references from plain mlx-lm and the identity check."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_stream import stream_generate
+
+
+def mlx_lm_greedy(model, tokenizer, ids, max_tokens):
+    """Plain mlx-lm greedy output (token ids; EOS not included), same model object."""
+    out = []
+    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens):
+        if r.finish_reason == "stop" and r.token in tokenizer.eos_token_ids:
+            break
+        out.append(r.token)
+    return out
+
+
+def ours(model, tokenizer, ids, max_tokens, **kw):
+    tokens, responses = [], []
+    for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **kw):
+        tokens.extend(r.tokens)
+        responses.append(r)
+    return tokens, responses
+
+
+def top2_gap(model, ids):
+    """The gap between the two largest logits after ``ids`` (sequential forward)."""
+    cache = make_prompt_cache(model.backbone)
+    logits = np.array(model.backbone(mx.array(ids)[None], cache=cache)[0, -1], dtype=np.float64)
+    a, b = np.sort(logits)[-2:]
+    return float(b - a)
+
+
+def assert_greedy_identical(model, prompt_ids, got, ref, tol=1e-4):
+    """Token-for-token equality; a first mismatch is excused only at a near-tie
+    (top-2 logit gap below ``tol``), after which the sequences may diverge."""
+    n = min(len(got), len(ref))
+    for i in range(n):
+        if got[i] != ref[i]:
+            gap = top2_gap(model, list(prompt_ids) + ref[:i])
+            assert gap < tol, f"mismatch at token {i}: {got[i]} vs mlx-lm {ref[i]}, top-2 gap {gap:.2e}"
+            return "tie"
+    assert len(got) == len(ref), f"lengths differ: {len(got)} vs mlx-lm {len(ref)}"
+    return "equal"

@@ -1,0 +1,166 @@
+"""The decode loop on a tiny random llama: identity, stopping, limits, errors."""
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+from mlx_stream import OracleDrafter, PromptCache, chain, generate, stream_generate
+from mlx_stream.heads import new_heads
+from mlx_stream.tree import build_tree, sparse
+
+PROMPTS = ["The quick brown fox", "Speculative decoding drafts", "0123 café", "heads, trees!"]
+K = 3
+
+
+@pytest.fixture()
+def tiny_ref(tiny):
+    model, tok = tiny
+    refs = []
+    for p in PROMPTS:
+        ids = tok.encode(p)
+        refs.append((ids, mlx_lm_greedy(model, tok, ids, 48)))
+    return model, tok, refs
+
+
+def test_plain_loop_is_mlx_lm(tiny_ref):
+    model, tok, refs = tiny_ref
+    for ids, ref in refs:
+        got, rs = ours(model, tok, ids, 48)
+        assert_greedy_identical(model, ids, got, ref)
+        assert all(r.accepted == 0 for r in rs) and rs[-1].tau == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("tree", [chain(K), sparse(K), build_tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])])
+def test_greedy_identity_with_drafters(tiny_ref, tree):
+    model, tok, refs = tiny_ref
+    V = model.args.vocab_size
+    model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=3)
+    for ids, ref in refs:
+        got, _ = ours(model, tok, ids, 48, tree=tree)  # random heads
+        assert_greedy_identical(model, ids, got, ref)
+        for wrong in (False, True):
+            d = OracleDrafter(len(ids), ref, tree, V, wrong=wrong)
+            got, rs = ours(model, tok, ids, 48, drafter=d)
+            assert got == ref
+            acc = sum(r.accepted for r in rs)
+            if wrong:
+                assert acc == 0
+            else:  # every step but the last accepts the whole rank-0 path
+                assert all(r.accepted == K for r in rs[1:-1])
+
+
+def test_eos_at_every_offset_inside_a_chunk(tiny_ref):
+    model, tok, refs = tiny_ref
+    ids, ref = refs[0]
+    for k in range(len(ref)):
+        if ref[k] in ref[:k]:
+            continue  # EOS must first occur at k
+        saved = tok.eos_token_ids
+        tok.eos_token_ids = {ref[k]}
+        try:
+            got, rs = ours(model, tok, ids, 48, drafter=OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size))
+        finally:
+            tok.eos_token_ids = saved
+        assert got == ref[:k], k
+        assert rs[-1].finish_reason == "stop"
+        assert "".join(r.text for r in rs) == tok.decode(ref[:k])
+
+
+def test_max_tokens_never_exceeded(tiny_ref):
+    model, tok, refs = tiny_ref
+    ids, ref = refs[1]
+    for n in range(1, 3 * K + 1):
+        for d in (OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size), None):
+            got, rs = ours(model, tok, ids, n, drafter=d)
+            assert got == ref[:n]
+            assert rs[-1].finish_reason == "length" and rs[-1].generation_tokens == n
+
+
+def _detok_text(tok, ids):
+    d = tok.detokenizer
+    d.reset()
+    for t in ids:
+        d.add_token(t)
+    d.finalize()
+    return d.text
+
+
+def test_stop_string_inside_an_accepted_chunk(tiny_ref):
+    model, tok, refs = tiny_ref
+    checked = 0
+    for ids, ref in refs:
+        full = _detok_text(tok, ref)
+        if len(full) < 12:
+            continue
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        cut = full.find(stop)
+        got, rs = ours(model, tok, ids, 48, stop=[stop],
+                       drafter=OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size))
+        text = "".join(r.text for r in rs)
+        assert text == full[:cut], (stop, text)
+        assert rs[-1].finish_reason == "stop"
+        # the token ids end with the token that completed the stop string
+        assert got == ref[: len(got)]
+        assert stop in _detok_text(tok, got) and stop not in _detok_text(tok, got[:-1])
+        checked += 1
+    assert checked >= 2
+
+
+def test_generate_returns_the_streamed_text(tiny_ref):
+    model, tok, refs = tiny_ref
+    ids, ref = refs[2]
+    assert generate(model, tok, ids, max_tokens=48) == mlx_lm.generate(model, tok, ids, max_tokens=48)
+
+
+def test_context_limit_clamps_the_tree_and_ends_with_length(tiny):
+    model, tok = tiny
+    ctx = model.context_length
+    model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=1)
+    ids = (tok.encode(PROMPTS[0]) * 200)[: ctx - 2]
+    ref = mlx_lm_greedy(model, tok, ids, 2)
+    got, rs = ours(model, tok, ids, 100, drafter=OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size))
+    assert got == ref[:2] and rs[-1].finish_reason == "length"
+    assert len(ids) + len(got) == ctx
+
+
+def test_prompt_longer_than_context_is_refused_before_any_forward(tiny):
+    model, tok = tiny
+    ctx = model.context_length
+    cache = PromptCache(model)
+    with pytest.raises(ValueError, match=f"{ctx + 5} tokens.*context window is {ctx}"):
+        next(stream_generate(model, tok, [5] * (ctx + 5), prompt_cache=cache))
+    assert cache.layers[0].offset == 0 and cache.layers[0].keys is None
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"temp": -0.5}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
+    ({"tree": "bogus"}, "unknown tree"),
+])
+def test_bad_parameters(tiny, kw, msg):
+    model, tok = tiny
+    model.heads = new_heads(model.backbone, tok, K)
+    with pytest.raises(ValueError, match=msg):
+        next(stream_generate(model, tok, "hello", **kw))
+
+
+def test_prompt_cache_reuse_matches_cold_run(tiny_ref):
+    model, tok, refs = tiny_ref
+    model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=2)
+    cache = PromptCache(model)
+    ids1, ref1 = refs[0]
+    got1, _ = ours(model, tok, ids1, 20, prompt_cache=cache)
+    turn2 = ids1 + got1 + tok.encode(" and then")
+    warm, _ = ours(model, tok, turn2, 20, prompt_cache=cache)
+    assert cache.tokens[: len(turn2)] == turn2
+    cold, _ = ours(model, tok, turn2, 20)
+    assert warm == cold
+
+
+def test_sampling_is_seeded(tiny):
+    model, tok = tiny
+    model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=2)
+    a, _ = ours(model, tok, "The quick", 30, temp=5.0, seed=7)
+    b, _ = ours(model, tok, "The quick", 30, temp=5.0, seed=7)
+    c, _ = ours(model, tok, "The quick", 30, temp=5.0, seed=8)
+    assert a == b and a != c

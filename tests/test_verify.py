@@ -1,0 +1,47 @@
+import numpy as np
+
+from mlx_stream.tree import build_tree, chain
+from mlx_stream.verify import verify_greedy, verify_sample
+
+
+def test_greedy_follows_matching_children():
+    t = build_tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+    # nodes: 0 root, 1=(0,), 2=(1,), 3=(0,0), 4=(1,0), 5=(0,0,0)
+    tokens = [7, 10, 11, 12, 13, 14]
+    # root wants 11 -> node 2; node 2 wants 13 -> node 4; node 4 wants 99 (no child)
+    targets = [11, 0, 13, 0, 99, 0]
+    assert verify_greedy(t, tokens, targets) == ([0, 2, 4], 99)
+    # nothing accepted: the next token is the root's argmax
+    assert verify_greedy(t, tokens, [42, 0, 0, 0, 0, 0]) == ([0], 42)
+    # the whole chain accepted: bonus token from the deepest node
+    c = chain(3)
+    assert verify_greedy(c, [1, 2, 3, 4], [2, 3, 4, 5]) == ([0, 1, 2, 3], 5)
+
+
+def test_sample_accepts_certain_drafts_and_rejects_impossible():
+    t = chain(2)
+    rng = np.random.default_rng(0)
+    V = 5
+    probs = np.zeros((3, V))
+    probs[0, 2] = 1.0  # root surely emits 2 (drafted at node 1)
+    probs[1, 4] = 1.0  # node 1 surely emits 4, but node 2 drafted 3
+    probs[2, 0] = 1.0
+    path, nxt = verify_sample(t, [9, 2, 3], probs, rng)
+    assert path == [0, 1] and nxt == 4
+
+
+def test_sample_first_token_distribution_is_exact():
+    """With two drafted children, the emitted first token follows p exactly."""
+    t = build_tree([(0,), (1,)])
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    probs = np.stack([p, p, p])
+    rng = np.random.default_rng(1)
+    n = 40000
+    counts = np.zeros(4)
+    for _ in range(n):
+        path, nxt = verify_sample(t, [0, 1, 0], probs, rng)  # children draft tokens 1 and 0
+        first = [0, 1, 0][path[1]] if len(path) > 1 else nxt
+        counts[first] += 1
+    expected = p * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, (counts, chi2)  # chi-square, 3 dof, p = 0.001

@@ -31,7 +31,7 @@ chat: setup
 	$(RUN_ENV) $(VENV)/bin/mlx-stream chat
 
 test: setup
-	$(RUN_ENV) $(PY) -m pytest -q
+	$(RUN_ENV) $(PY) -m pytest -q -n 2 --durations=10
 
 clean:
 	rm -rf $(VENV) build *.egg-info

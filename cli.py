@@ -215,5 +215,62 @@ def convert(
     typer.echo(f"wrote {path}")
 
 
+@app.command()
+def bench(
+    model: str = _MODEL,
+    heads: str = _HEADS,
+    drafter: str = typer.Option("heads", "--drafter", help="heads | oracle (drafts the target's own output: the loop's ceiling)"),
+    prompts: str = typer.Option("builtin", "--prompts", help="A jsonl file ('prompt', Spec-Bench 'turns' or 'messages'), or 'builtin'."),
+    limit: int = typer.Option(8, "--limit", "-n", help="How many prompts."),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+    tree: Optional[str] = _TREE,
+    dtype: str = _DTYPE,
+    out: Optional[str] = typer.Option(None, "--out", help="Write report.json into this folder."),
+):
+    """Greedy side-by-side against plain mlx-lm (same weights, one process, interleaved)."""
+    from pathlib import Path
+
+    from mlx_stream import OracleDrafter
+    from mlx_stream.bench import compare, forward_cost, load_prompts, summary
+    from mlx_stream.env import openblas_loaded
+    from mlx_stream.tree import parse_tree
+
+    if drafter not in ("heads", "oracle"):
+        _fail(f"unknown drafter {drafter!r}: use heads or oracle")
+    try:
+        check = parse_tree(tree, 1 << 10) if tree is not None else None
+        path = Path(__file__).parent / "data" / "prompts.jsonl" if prompts == "builtin" else Path(prompts)
+        texts = load_prompts(path, limit)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    _blas_hint()
+    try:
+        m, tok = _load(model, heads, drafter == "oracle", dtype)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    make = None
+    if drafter == "oracle":
+        shape = check if check is not None else parse_tree("chain:3", 3)
+        make = lambda ids, ref: OracleDrafter(len(ids), ref, shape, m.args.vocab_size)  # noqa: E731
+    elif m.heads is None:
+        typer.echo("note: no heads loaded; this measures plain decoding through the loop", err=True)
+    cost = forward_cost(m)
+    typer.echo("c(N) = " + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items() if n != "t1_ms")
+               + f"  (1-token forward {cost['t1_ms']:.1f} ms)")
+    show = lambda r: typer.echo(  # noqa: E731
+        f"prompt {r.prompt:3d}: {r.tokens:4d} tokens  plain {r.plain_tps:6.1f} tok/s  "
+        f"mlx-stream {r.spec_tps:6.1f} tok/s  x{r.speedup:.2f}  tau {r.tau:.2f}  "
+        f"{'identical' if r.identical else 'DIFFERENT'}")
+    res = summary(compare(m, tok, texts, max_tokens, make_drafter=make, tree=tree, progress=show))
+    res.update({"model": model, "drafter": drafter, "tree": tree, "dtype": dtype, "max_tokens": max_tokens,
+                "openblas": openblas_loaded(), "forward_cost": {str(k): v for k, v in cost.items()}})
+    typer.echo(f"median speedup x{res['median_speedup']:.2f}, median tau {res['median_tau']:.2f}, "
+               f"identical {res['identical']}/{res['prompts']}, plain {res['median_plain_tps']:.1f} tok/s, "
+               f"mlx-stream {res['median_spec_tps']:.1f} tok/s")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "report.json").write_text(json.dumps(res, indent=2))
+
+
 if __name__ == "__main__":
     app()

@@ -123,7 +123,7 @@ def no_drafts() -> Tree:
     return build_tree([])
 
 
-def sparse(k: int, widths: Sequence[int] = (4, 2, 2, 1, 1, 1)) -> Tree:
+def sparse(k: int, widths: Sequence[int] = (2, 1, 1, 1, 1, 1)) -> Tree:
     """A sparse tree in the spirit of Medusa's: ``widths[d]`` alternatives at depth
     d+1 under the top-1 path, and the top-1 continuation under each depth-1
     alternative. Depth ``k``."""

@@ -1,0 +1,148 @@
+"""Side-by-side measurement against plain mlx-lm (same model object, same process).
+
+Prompts are run interleaved (mlx-lm, then mlx-stream, per prompt) after a warm-up,
+so machine drift hits both; ratios are per prompt and summarised by the median.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+
+@dataclass
+class PromptResult:
+    """One prompt's side-by-side result. Speeds are generation tokens/s (prefill excluded)."""
+
+    prompt: int
+    tokens: int
+    plain_tps: float
+    spec_tps: float
+    tau: float
+    identical: bool
+
+    @property
+    def speedup(self) -> float:
+        return self.spec_tps / self.plain_tps
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """Prompts from a jsonl file: the ``prompt`` field, or the first of ``turns``
+    (Spec-Bench's format), or the first user message of ``messages``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line that is not JSON or has none of those fields (line named).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: prompts file not found")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+        if "prompt" in row:
+            out.append(row["prompt"])
+        elif row.get("turns"):
+            out.append(row["turns"][0])
+        elif row.get("messages"):
+            out.append(next(m["content"] for m in row["messages"] if m["role"] == "user"))
+        else:
+            raise ValueError(f"{path}:{n}: expected a 'prompt', 'turns' or 'messages' field")
+    return out[:limit] if limit else out
+
+
+def forward_cost(model, sizes: Sequence[int] = (1, 2, 4, 8, 16), context: int = 256, repeats: int = 10) -> dict:
+    """c(N): the time of an N-token tree forward relative to a 1-token forward, at a
+    cached context of ``context`` tokens (median of ``repeats``)."""
+    from .cache import make_tree_cache, trim_cache
+    from .tree import chain
+
+    fam, bb = model.family, model.backbone
+    cache = make_tree_cache(bb)
+    fam.prefill_hidden(bb, mx.zeros((context,), dtype=mx.int32), cache)
+    times = {}
+    for n in sizes:
+        t = chain(n - 1)
+        mask = mx.concatenate([mx.ones((n, context), dtype=mx.bool_), mx.array(t.mask)], axis=1) if n > 1 else None
+        runs = []
+        for _ in range(repeats + 1):
+            tic = time.perf_counter()
+            mx.eval(fam.project(bb, fam.tree_hidden(bb, mx.zeros((n,), dtype=mx.int32),
+                                                    mx.array(context + t.depths), mask, cache)))
+            runs.append(time.perf_counter() - tic)
+            trim_cache(cache, context)
+        times[n] = statistics.median(runs[1:])
+    return {n: times[n] / times[sizes[0]] for n in sizes} | {"t1_ms": times[sizes[0]] * 1e3}
+
+
+def compare(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    max_tokens: int = 128,
+    make_drafter: Callable | None = None,
+    tree=None,
+    progress: Callable[[PromptResult], None] | None = None,
+) -> list[PromptResult]:
+    """Greedy decoding of each prompt (through the chat template) by plain
+    ``mlx_lm.stream_generate`` and by :func:`mlx_stream.stream_generate`, interleaved.
+
+    Args:
+        make_drafter: ``f(prompt_ids, reference_tokens) -> Drafter`` (e.g. the
+            oracle); ``None`` drafts with the model's heads and ``tree``.
+    """
+    import mlx_lm
+
+    from .generate import stream_generate
+
+    def chat_ids(p):
+        return tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+
+    # warm-up: both paths, so one-time costs hit neither measurement
+    warm = chat_ids("Hello")
+    for _ in mlx_lm.stream_generate(model, tokenizer, mx.array(warm), max_tokens=8):
+        pass
+    for _ in stream_generate(model, tokenizer, warm, max_tokens=8, tree=tree):
+        pass
+    results = []
+    for i, p in enumerate(prompts):
+        ids = chat_ids(p)
+        ref, plain_tps = [], 0.0
+        for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens):
+            if r.token in tokenizer.eos_token_ids:
+                break
+            ref.append(r.token)
+            plain_tps = r.generation_tps
+        drafter = make_drafter(ids, ref) if make_drafter else None
+        got, last = [], None
+        for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, tree=tree, drafter=drafter):
+            got.extend(last.tokens)
+        res = PromptResult(i, len(got), plain_tps, last.generation_tps, last.tau, got == ref)
+        results.append(res)
+        if progress:
+            progress(res)
+    return results
+
+
+def summary(results: Sequence[PromptResult]) -> dict:
+    """Medians over prompts: speedup (spec / plain tokens/s), tau, tokens/s; identity count."""
+    return {
+        "prompts": len(results),
+        "identical": sum(r.identical for r in results),
+        "median_speedup": statistics.median(r.speedup for r in results),
+        "median_tau": statistics.median(r.tau for r in results),
+        "median_plain_tps": statistics.median(r.plain_tps for r in results),
+        "median_spec_tps": statistics.median(r.spec_tps for r in results),
+        "results": [asdict(r) | {"speedup": r.speedup} for r in results],
+    }

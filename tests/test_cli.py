@@ -1,0 +1,84 @@
+"""The command line, end to end in subprocesses, on the tiny model; packaging."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXE = str(Path(sys.executable).parent / "mlx-stream")
+
+
+def run(*args, input=None, cwd=None):
+    return subprocess.run([EXE, *args], capture_output=True, text=True, input=input, timeout=600, cwd=cwd)
+
+
+def test_help_for_every_command():
+    for cmd in ([], ["generate"], ["chat"], ["convert"], ["bench"]):
+        r = run(*cmd, "--help")
+        assert r.returncode == 0, r.stderr
+        assert "Usage" in r.stdout
+
+
+def test_generate_json(tiny_dir):
+    r = run("generate", "--model", str(tiny_dir), "--prompt", "The quick", "--max-tokens", "7", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("text", "tokens", "finish_reason", "prompt_tokens", "generation_tokens",
+                "forward_passes", "tau", "generation_tps"):
+        assert key in out
+    assert out["generation_tokens"] == len(out["tokens"]) <= 7
+    assert out["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--temp", "-1"], "temperature"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--tree", "1;;2"], "unknown tree"),
+    (["--model", "no/such/thing/here"], "unknown model"),
+    (["--model", "missing.gguf"], "GGUF file not found"),
+])
+def test_generate_bad_input_exits_2(tiny_dir, args, msg):
+    base = ["generate", "--prompt", "hi", "--model", str(tiny_dir)]
+    r = run(*base, *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert msg in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_chat_turns_reset_and_eof(tiny_dir):
+    r = run("chat", "--model", str(tiny_dir), "--max-tokens", "5",
+            input="hello\n/reset\nagain \x07\xff\n")
+    assert r.returncode == 0, r.stderr
+    assert "[conversation cleared]" in r.stdout
+    assert r.stderr.count("tokens,") == 2  # one stats line per reply
+
+
+def test_convert_cli_refuses_non_gguf(tmp_path):
+    r = run("convert", str(tmp_path / "x.bin"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "only .gguf" in r.stderr
+
+
+def test_only_the_mlx_stream_namespace_is_installed(tmp_path):
+    code = ("import importlib.util as u, sys; "
+            "bad = [n for n in ('train', 'heads', 'convert', 'cli') if u.find_spec(n)]; "
+            "import mlx_stream.train, mlx_stream.heads, mlx_stream.convert, mlx_stream.cli; "
+            "sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_wheel_holds_only_mlx_stream(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    (whl,) = tmp_path.glob("mlx_stream-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"mlx_stream"}
+    for mod in ("cli.py", "heads/__init__.py", "convert/gguf.py", "train/__init__.py", "data/prompts.jsonl"):
+        assert f"mlx_stream/{mod}" in names

@@ -1,0 +1,122 @@
+"""GGUF -> mlx-lm conversion, checked against an independent implementation
+(transformers' GGUF loader on torch CPU, which dequantises with the gguf package)."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_stream.convert import convert_gguf
+from mlx_stream.convert.gguf import _unpermute
+from mlx_stream.loader import _alias_gguf
+
+TRICKY = [
+    "Hello world",
+    "  leading spaces and trailing  ",
+    "digits 1234567890 and 3.14159, 1,000,000",
+    "unicode: naïve café — 日本語 emoji 🙂 Ünïcödé",
+    "new\nlines\n\n\ttabs\r\n",
+    "<|im_start|>user\nspecial tokens<|im_end|>",
+    "code: def f(x):\n    return x**2  # comment",
+]
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp convert_hf_to_gguf.py's LlamaModel.permute, re-stated for the test
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(48, 5)
+    for n_head in (1, 2, 3):
+        back = np.array(_unpermute(mx.array(_llama_cpp_permute(w, n_head)), n_head))
+        np.testing.assert_array_equal(back, w)
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return _alias_gguf("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, torch_dtype=torch.float32
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return torch, model.eval(), tok
+
+
+def test_logits_match_transformers_gguf(real, reference):
+    torch, ref_model, _ = reference
+    model, tok = real
+    text = ("The capital of France is Paris, and the capital of Germany is Berlin. "
+            "In 1969, Apollo 11 landed on the Moon; def add(a, b): return a + b")
+    ids = tok.encode(text)
+    assert len(ids) >= 24
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0].numpy()
+    got = np.array(model(mx.array([ids]))[0])
+    diff = float(np.abs(ref - got).max())
+    # measured 1.1e-4 (exact float32 dequantisation on both sides); without the Q/K
+    # un-permutation the difference is O(10) and the text is garbage
+    assert diff < 1e-2, diff
+    assert (ref.argmax(-1) == got.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_tokenizer_matches_transformers_gguf(real, reference, text):
+    _, _, ref_tok = reference
+    _, tok = real
+    ids = tok.encode(text)
+    assert ids == ref_tok.encode(text)
+    assert tok.decode(ids) == ref_tok.decode(ids)
+
+
+def test_chat_template_and_eos_carried_over(real):
+    _, tok = real
+    assert tok.eos_token_ids == {2} and tok.eos_token == "<|im_end|>"
+    p = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert p.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_convert_output_loads_in_plain_mlx_lm(gguf_path, tmp_path):
+    import mlx_lm
+
+    out = convert_gguf(gguf_path, tmp_path / "q")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"]["bits"] == 4 and cfg["quantization"]["model.embed_tokens"]["bits"] == 8
+    model, tok = mlx_lm.load(str(out))
+    text = mlx_lm.generate(model, tok, tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False),
+        max_tokens=12)
+    assert "Paris" in text
+
+
+def test_refuses_other_architectures_and_leaves_nothing(tmp_path):
+    bad = tmp_path / "gpt2.gguf"
+    mx.save_gguf(str(bad), {"token_embd.weight": mx.zeros((4, 4))}, {"general.architecture": "gpt2"})
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        convert_gguf(bad, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2.gguf"]
+
+
+def test_refuses_missing_corrupt_and_nonempty(tmp_path, gguf_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        convert_gguf(tmp_path / "nope.gguf", tmp_path / "out")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\x00" * 10)
+    with pytest.raises(ValueError, match="junk.gguf"):
+        convert_gguf(junk, tmp_path / "out")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("keep me")
+    with pytest.raises(ValueError, match="not empty"):
+        convert_gguf(gguf_path, full)
+    assert (full / "x").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "junk.gguf"]

@@ -1,0 +1,70 @@
+"""Stream heads: zero-init identity, checkpoint format, fingerprint refusal, bad files."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import make_tiny_model_dir
+from mlx_stream import load
+from mlx_stream.heads import HeadConfig, backbone_fingerprint, load_heads, new_heads, save_heads
+
+
+def test_fresh_heads_predict_the_backbones_next_token(tiny):
+    model, tok = tiny
+    model.heads = new_heads(model.backbone, tok, 3)
+    h = mx.random.normal((model.args.hidden_size,))
+    per_head = np.array(model.head_logits(h))
+    ref = np.array(model.family.project(model.backbone, h))
+    assert per_head.shape == (3, model.args.vocab_size)
+    for j in range(3):
+        np.testing.assert_allclose(per_head[j], ref, atol=1e-5)
+
+
+def test_save_load_roundtrip(tiny, tmp_path):
+    model, tok = tiny
+    heads = new_heads(model.backbone, tok, 4, scale=0.1, seed=9)
+    save_heads(heads, tmp_path / "h")
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["config.json", "heads.safetensors"]
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["num_heads"] == 4 and cfg["fingerprint"]["architecture"] == "llama"
+    loaded = load_heads(tmp_path / "h", backbone_fingerprint(model.backbone, tok))
+    h = mx.random.normal((3, model.args.hidden_size))
+    np.testing.assert_array_equal(np.array(loaded(h)), np.array(heads(h)))
+    # overwrite in place (atomic rename), no temporary folders left behind
+    save_heads(heads, tmp_path / "h")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]
+
+
+def test_load_attaches_heads_and_refuses_another_backbone(tiny_dir, tmp_path):
+    model, tok = load(str(tiny_dir))
+    save_heads(new_heads(model.backbone, tok, 2), tmp_path / "heads")
+    m2, _ = load(str(tiny_dir), heads=str(tmp_path / "heads"))
+    assert m2.heads is not None and m2.heads.num_heads == 2
+    other = make_tiny_model_dir(tmp_path / "other", seed=1)
+    with pytest.raises(ValueError, match="trained for backbone .* but the loaded backbone is"):
+        load(str(other), heads=str(tmp_path / "heads"))
+
+
+def test_bad_heads_files(tiny, tmp_path):
+    model, tok = tiny
+    fp = backbone_fingerprint(model.backbone, tok)
+    with pytest.raises(FileNotFoundError, match="heads folder not found"):
+        load_heads(tmp_path / "missing", fp)
+    save_heads(new_heads(model.backbone, tok, 2), tmp_path / "h")
+    w = tmp_path / "h" / "heads.safetensors"
+    w.write_bytes(w.read_bytes()[:100])  # truncated
+    with pytest.raises(ValueError, match="heads.safetensors"):
+        load_heads(tmp_path / "h", fp)
+    (tmp_path / "h" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        load_heads(tmp_path / "h", fp)
+    with pytest.raises(ValueError, match="num_heads"):
+        HeadConfig(num_heads=0, hidden_size=4, vocab_size=4)
+
+
+def test_fingerprint_ignores_quantisation(real):
+    model, tok = real
+    q, qtok = load("smollm2-135m-instruct", dtype="quantized")
+    assert backbone_fingerprint(q.backbone, qtok) == backbone_fingerprint(model.backbone, tok)

@@ -1,0 +1,48 @@
+"""Lossless greedy decoding on the real default model (SmolLM2-135M-Instruct, float32):
+with random heads, an oracle drafter and a drafter wrong at every depth, the output
+equals plain mlx-lm's greedy output token for token, 20 prompts x 128 tokens."""
+
+from pathlib import Path
+
+import pytest
+
+import mlx_stream
+
+from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+from mlx_stream import OracleDrafter, chain
+from mlx_stream.heads import new_heads
+from mlx_stream.tree import sparse
+
+from mlx_stream.bench import load_prompts
+
+PROMPTS = load_prompts(Path(mlx_stream.__file__).parent / "data" / "prompts.jsonl")
+MAX_TOKENS = 128
+K = 3
+
+
+@pytest.fixture(scope="module")
+def random_heads(real):
+    model, tok = real
+    return new_heads(model.backbone, tok, K, scale=0.02, seed=0)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_greedy_identity_real(real, random_heads, i):
+    model, tok = real
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i]}], add_generation_prompt=True)
+    ref = mlx_lm_greedy(model, tok, ids, MAX_TOKENS)
+    assert len(ref) >= 64, "prompts are chosen to give long answers"
+    V = model.args.vocab_size
+    try:
+        model.heads = random_heads
+        got, _ = ours(model, tok, ids, MAX_TOKENS, tree=sparse(K))
+        assert_greedy_identical(model, ids, got, ref)
+    finally:
+        model.heads = None
+    got, rs = ours(model, tok, ids, MAX_TOKENS, drafter=OracleDrafter(len(ids), ref, sparse(K), V))
+    assert_greedy_identical(model, ids, got, ref)
+    assert rs[-1].tau > 3.0 or len(ref) < MAX_TOKENS
+    got, rs = ours(model, tok, ids, MAX_TOKENS, drafter=OracleDrafter(len(ids), ref, chain(K), V, wrong=True))
+    assert_greedy_identical(model, ids, got, ref)
+    assert sum(r.accepted for r in rs) == 0

@@ -30,12 +30,27 @@ _TREE = typer.Option(
     None, "--tree",
     help="Draft tree: 'sparse' (default), 'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'.",
 )
+_TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
+_SEED = typer.Option(None, "--seed", help="Seed for sampling.")
 _DTYPE = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16 | quantized")
 
 
 def _fail(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(2)
+
+
+def _check_params(max_tokens: int, temp: float, tree: str | None) -> None:
+    """Refuse bad parameters before anything is loaded."""
+    from mlx_stream.generate import check_generation
+    from mlx_stream.tree import parse_tree
+
+    try:
+        check_generation(max_tokens, temp)
+        if tree is not None:
+            parse_tree(tree, 1 << 10)  # syntax only; the depth is checked against the heads later
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _load(model: str, heads: str, no_heads: bool, dtype: str):
@@ -65,8 +80,8 @@ def generate(
     heads: str = _HEADS,
     no_heads: bool = _NO_HEADS,
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (> 0)."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
+    temp: float = _TEMP,
+    seed: Optional[int] = _SEED,
     tree: Optional[str] = _TREE,
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt for the chat template."),
@@ -75,15 +90,9 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
     """Generate a completion for one prompt."""
-    from mlx_stream.generate import check_generation, stream_generate
-    from mlx_stream.tree import parse_tree
+    from mlx_stream.generate import stream_generate
 
-    try:
-        check_generation(max_tokens, temp)
-        if tree is not None:
-            parse_tree(tree, 1 << 10)
-    except ValueError as e:
-        _fail(str(e))
+    _check_params(max_tokens, temp, tree)
     if prompt == "-":
         prompt = sys.stdin.read()
     _blas_hint()
@@ -124,22 +133,16 @@ def chat(
     heads: str = _HEADS,
     no_heads: bool = _NO_HEADS,
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
+    temp: float = _TEMP,
+    seed: Optional[int] = _SEED,
     tree: Optional[str] = _TREE,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     dtype: str = _DTYPE,
 ):
     """Multi-turn chat; the KV cache is reused across turns. /reset clears, /exit quits."""
-    from mlx_stream.generate import PromptCache, check_generation, stream_generate
-    from mlx_stream.tree import parse_tree
+    from mlx_stream.generate import PromptCache, stream_generate
 
-    try:
-        check_generation(max_tokens, temp)
-        if tree is not None:
-            parse_tree(tree, 1 << 10)
-    except ValueError as e:
-        _fail(str(e))
+    _check_params(max_tokens, temp, tree)
     _blas_hint()
     try:
         m, tok = _load(model, heads, no_heads, dtype)

@@ -110,7 +110,6 @@ def gguf_config(meta: dict, quantization: dict | None, tied: bool) -> dict:
         "tie_word_embeddings": tied,
         "bos_token_id": _scalar(meta, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _scalar(meta, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
     }
     scaling = meta.get(p + "rope.scaling.type")
     if scaling == "linear":
@@ -259,8 +258,6 @@ def convert_gguf(src: str | Path, out: str | Path, dequantize: bool = False) -> 
         for b, nb in sorted(bits.items()):
             if nb != common:
                 quantization[b] = {"group_size": 32, "bits": nb, "mode": "affine"}
-    weights = {k: (v.astype(mx.float32) if v.dtype in (mx.float16, mx.bfloat16) and not k.endswith((".scales", ".biases")) else v)
-               for k, v in weights.items()}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

@@ -1,0 +1,111 @@
+"""Head training on the tiny model: label offsets, frozen backbone, gradients, resume."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_stream.heads import load_heads, new_heads
+from mlx_stream.train import (TrainConfig, build_features_from_ids, implied_tau, load_features,
+                              stream_loss, targets_for, train_heads)
+from mlx_stream.train.data import split, to_example
+from mlx_stream.train.loss import head_weights
+
+K = 3
+CYCLE = [11, 42, 97, 150, 203, 260, 311]  # distinct tokens: h_t determines every future token
+
+
+def test_targets_offsets():
+    t = targets_for([10, 11, 12, 13, 14, 15], start=2, num_heads=2)
+    # positions t = 1..4; row t holds ids[t+1], ids[t+2], ids[t+3]
+    assert t.tolist() == [[12, 13, 14], [13, 14, 15], [14, 15, -1], [15, -1, -1]]
+
+
+def test_implied_tau():
+    ranks = np.array([[0, 0, 0], [0, 1, 0], [1, 0, -1], [-1, 0, 0]])
+    assert implied_tau(ranks, [(0,), (0, 0), (0, 0, 0)]) == 1 + (3 + 1 + 0 + 0) / 4
+    assert implied_tau(ranks, [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]) == 1 + (3 + 2 + 2 + 0) / 4
+
+
+def test_data_formats_and_split():
+    assert to_example({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) == {
+        "prompt": [{"role": "user", "content": "q"}], "completion": "a"}
+    assert to_example({"prompt": "p", "completion": "c"}) == {"prompt": "p", "completion": "c"}
+    assert to_example({"text": "t"}) == {"prompt": "", "completion": "t"}
+    with pytest.raises(ValueError, match="expected"):
+        to_example({"foo": 1})
+    tr, va = split([{"i": i} for i in range(10)], 0.2, seed=0)
+    assert len(tr) == 8 and len(va) == 2 and split([{"i": i} for i in range(10)], 0.2, seed=0) == (tr, va)
+
+
+def _cycle_features(model, tmp_path, name="f"):
+    # a deterministic sequence: a cycle of 7 distinct tokens, so h_t determines every future token
+    seqs = [((CYCLE * 12)[s : s + 60], 1) for s in range(7)]
+    return build_features_from_ids(model, seqs, tmp_path / name, K, dtype="float32")
+
+
+def test_each_head_learns_its_own_offset(tiny, tmp_path):
+    model, tok = tiny
+    feats = _cycle_features(model, tmp_path)
+    heads = new_heads(model.backbone, tok, K)
+    cfg = TrainConfig(num_heads=K, epochs=60, batch_size=64, lr=3e-3, warmup=10, checkpoint_every=0)
+    report = train_heads(model, heads, feats, tmp_path / "run", cfg, valid=feats, progress=False)
+    assert min(report["valid"]["top1"]) > 0.97, report["valid"]
+    # the offsets, checked without the training code's targets: head j at t -> x[t+1+j]
+    seq = (CYCLE * 12)[3:63]
+    hidden = model.family.prefill_hidden(model.backbone, mx.array(seq), make_prompt_cache(model.backbone))
+    pred = np.array(mx.argmax(model.family.project(model.backbone, heads(hidden)), axis=-1))  # (K, L)
+    for j in range(1, K + 1):
+        t = np.arange(len(seq) - 1 - j)
+        assert (pred[j - 1, t] == np.array(seq)[t + 1 + j]).mean() > 0.97, j
+    # and the heads folder loads back with the fingerprint check
+    load_heads(tmp_path / "run" / "heads", heads.config.fingerprint)
+
+
+def test_backbone_frozen_and_every_head_gets_gradient(tiny, tmp_path):
+    model, tok = tiny
+    feats = _cycle_features(model, tmp_path)
+    before = {k: np.array(v) for k, v in tree_flatten(model.backbone.parameters())}
+    heads = new_heads(model.backbone, tok, K)
+    import mlx.nn as nn
+
+    h, t = mx.array(np.asarray(feats.hidden[:32])), mx.array(np.asarray(feats.targets[:32]))
+    _, grads = nn.value_and_grad(heads, lambda a, b: stream_loss(model, heads, a, b, head_weights(K)))(h, t)
+    for j in range(K):
+        g = dict(tree_flatten(grads))[f"heads.{j}.0.linear.weight"]
+        assert float(mx.abs(g).max()) > 0, f"head {j + 1} receives no gradient"
+    cfg = TrainConfig(num_heads=K, epochs=3, batch_size=32, checkpoint_every=0)
+    train_heads(model, heads, feats, tmp_path / "run", cfg, progress=False)
+    after = dict(tree_flatten(model.backbone.parameters()))
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        assert np.array_equal(v, np.array(after[k])), k
+
+
+def test_resume_after_kill_matches_uninterrupted(tiny, tmp_path):
+    model, tok = tiny
+    feats = _cycle_features(model, tmp_path)
+    cfg = TrainConfig(num_heads=K, epochs=8, batch_size=32, lr=2e-3, warmup=3, checkpoint_every=4, seed=5)
+    full = new_heads(model.backbone, tok, K)
+    train_heads(model, full, feats, tmp_path / "a", cfg, progress=False)
+    part = new_heads(model.backbone, tok, K)
+    assert train_heads(model, part, feats, tmp_path / "b", cfg, progress=False, stop_after=6) is None
+    assert (tmp_path / "b" / "checkpoint").is_dir() and not (tmp_path / "b" / "heads").exists()
+    fresh = new_heads(model.backbone, tok, K)  # a new process: nothing in memory
+    train_heads(model, fresh, feats, tmp_path / "b", cfg, progress=False, resume=True)
+    a = dict(tree_flatten(load_heads(tmp_path / "a" / "heads").parameters()))
+    b = dict(tree_flatten(load_heads(tmp_path / "b" / "heads").parameters()))
+    for k in a:
+        np.testing.assert_allclose(np.array(a[k]), np.array(b[k]), atol=1e-6)
+    assert not (tmp_path / "b" / "checkpoint").exists()
+
+
+def test_feature_cache_roundtrip_and_errors(tiny, tmp_path):
+    model, _ = tiny
+    feats = _cycle_features(model, tmp_path)
+    again = load_features(tmp_path / "f")
+    assert len(again) == len(feats) == 7 * 59 and again.num_heads == K
+    (tmp_path / "f" / "targets.npy").unlink()
+    with pytest.raises(FileNotFoundError, match="targets.npy"):
+        load_features(tmp_path / "f")

@@ -1,0 +1,175 @@
+"""Training data for stream heads.
+
+Three sources, all saved as jsonl rows ``{"prompt": str, "completion": str}``:
+
+* the user's jsonl in mlx-lm's formats (``{"messages": [...]}``,
+  ``{"prompt", "completion"}``, ``{"text"}``);
+* self-distillation (the default): the frozen backbone writes the completions
+  itself with greedy batched generation, so the heads learn the distribution they
+  will be verified against (Medusa-2's self-distillation, Cai et al. 2024, sec. 2.3.2);
+* self-synthesised prompts when the user has none: user turns sampled from the
+  chat template's user-turn prefix (Magpie, Xu et al. 2024), deduplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+_SENTINEL = "\u2063MLXSTREAM\u2063"
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a jsonl file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line that is not a JSON object (file and line named).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: dataset not found")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object per line")
+            rows.append(row)
+    return rows
+
+
+def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
+    """Write rows atomically (temporary file beside ``path``, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def to_example(row: dict, where: str = "row") -> dict:
+    """Normalise one row of mlx-lm's formats to ``{"prompt": ..., "completion": ...}``
+    (``messages`` keeps its last assistant turn as the completion and the turns
+    before it as the prompt, as a list of messages; ``text`` has an empty prompt).
+
+    Raises:
+        ValueError: a row of none of the formats.
+    """
+    if "messages" in row:
+        msgs = row["messages"]
+        if not msgs or not isinstance(msgs, list):
+            raise ValueError(f"{where}: 'messages' must be a non-empty list")
+        if msgs[-1].get("role") == "assistant":
+            return {"prompt": msgs[:-1], "completion": msgs[-1]["content"]}
+        return {"prompt": msgs, "completion": None}
+    if "prompt" in row:
+        return {"prompt": row["prompt"], "completion": row.get("completion")}
+    if "text" in row:
+        return {"prompt": "", "completion": row["text"]}
+    raise ValueError(f"{where}: expected 'messages', 'prompt'/'completion' or 'text'")
+
+
+def split(rows: Sequence[dict], valid_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """Shuffle with ``seed`` and split off ``valid_fraction`` (at least one row each
+    when there are two or more)."""
+    rows = list(rows)
+    random.Random(seed).shuffle(rows)
+    n_valid = min(max(1, round(len(rows) * valid_fraction)), len(rows) - 1) if len(rows) > 1 else 0
+    return rows[n_valid:], rows[:n_valid]
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    """Token ids of a prompt through the chat template (a string is one user turn;
+    an empty string means no template: raw text)."""
+    if prompt == "":
+        return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+
+
+def user_prefix(tokenizer) -> str:
+    """The chat template's text before a user turn's content (Magpie's query prefix)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+    return text[: text.index(_SENTINEL)]
+
+
+def _batched(items: Sequence, n: int):
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def synthesize_prompts(model, tokenizer, n: int, seed: int = 0, max_tokens: int = 96,
+                       temp: float = 1.0, top_p: float = 0.95, batch_size: int = 32,
+                       exclude: Iterable[str] = ()) -> list[str]:
+    """Sample ``n`` distinct user prompts from the chat template's user prefix
+    (Magpie, Xu et al. 2024, sec. 2.1): the aligned model, shown only the start of a
+    user turn, writes a plausible user query. Queries that do not end within
+    ``max_tokens``, are shorter than 3 words, or repeat one already kept are dropped.
+
+    Reproducible for a given ``seed`` (MLX's global seed is set from it).
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    prefix = tokenizer.encode(user_prefix(tokenizer), add_special_tokens=False)
+    sampler = make_sampler(temp=temp, top_p=top_p)
+    seen = {p.strip().lower() for p in exclude}
+    out: list[str] = []
+    mx.random.seed(seed)
+    rounds = 0
+    while len(out) < n and rounds < 4 * (n // batch_size + 2):
+        rounds += 1
+        res = batch_generate(model, tokenizer, [prefix] * batch_size, max_tokens=max_tokens,
+                             sampler=sampler, return_token_ids=True)
+        for text, reason in zip(res.texts, _finish_reasons(res)):
+            q = text.strip()
+            key = q.lower()
+            if reason != "stop" or len(q.split()) < 3 or key in seen:
+                continue
+            seen.add(key)
+            out.append(q)
+            if len(out) == n:
+                break
+    return out
+
+
+def _finish_reasons(res) -> list[str]:
+    # BatchResponse keeps per-sequence finish reasons in recent mlx-lm; older ones do not
+    reasons = getattr(res, "finish_reasons", None)
+    return list(reasons) if reasons is not None else ["stop"] * len(res.texts)
+
+
+def self_distill(model, tokenizer, prompts: Sequence, max_tokens: int = 256, batch_size: int = 16,
+                 progress=None) -> list[dict]:
+    """Greedy completions of ``prompts`` by the frozen backbone (batched generation).
+
+    Returns rows ``{"prompt": prompt, "completion": text}``; ``progress(k)`` is
+    called after each batch with the number of prompts done.
+    """
+    from mlx_lm.generate import batch_generate
+
+    rows = []
+    for batch in _batched(list(prompts), batch_size):
+        res = batch_generate(model, tokenizer, [prompt_ids(tokenizer, p) for p in batch], max_tokens=max_tokens)
+        rows += [{"prompt": p, "completion": t} for p, t in zip(batch, res.texts)]
+        if progress:
+            progress(len(rows))
+    return rows

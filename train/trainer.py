@@ -1,0 +1,246 @@
+"""Training stream heads on a feature cache: AdamW, warm-up + cosine, gradient
+accumulation, atomic checkpoints, resume, validation and a report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .features import FeatureCache
+from .loss import head_weights, stream_logits, stream_loss
+
+
+@dataclass
+class TrainConfig:
+    """Training settings.
+
+    Attributes:
+        num_heads: K stream heads.
+        num_layers: residual blocks per head.
+        epochs: passes over the training positions (fractions allowed).
+        batch_size: positions (tokens) per micro-batch.
+        grad_accum: micro-batches per optimizer step.
+        lr: peak learning rate; warm-up is linear over ``warmup`` steps, then cosine to 0.
+        warmup: warm-up optimizer steps.
+        weight_decay: AdamW weight decay.
+        head_decay: loss weight of head j is ``head_decay**(j-1)``.
+        checkpoint_every: optimizer steps between checkpoints (0: only at the end).
+        seed: seeds the batch order (one permutation per epoch).
+    """
+
+    num_heads: int = 3
+    num_layers: int = 1
+    epochs: float = 3.0
+    batch_size: int = 256
+    grad_accum: int = 1
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    head_decay: float = 0.8
+    checkpoint_every: int = 200
+    seed: int = 0
+
+
+def implied_tau(ranks: np.ndarray, choices) -> float:
+    """Mean tokens per forward pass that a tree implies, from the rank of each true
+    token in its head's top-k.
+
+    Args:
+        ranks: ``(P, K)`` int, the rank of target t+1+j in head j's logits at each
+            position (-1 = outside the ranks considered or no target).
+        choices: the tree's paths of ranks.
+
+    Returns:
+        1 + the mean, over positions, of the longest prefix ``(r_1..r_d)`` that is a
+        path of the tree (greedy tree verification accepts exactly that prefix).
+    """
+    paths = {tuple(c) for c in choices}
+    total = 0
+    for row in ranks:
+        d = 0
+        while d < len(row) and row[d] >= 0 and tuple(int(r) for r in row[: d + 1]) in paths:
+            d += 1
+        total += d
+    return 1.0 + total / max(len(ranks), 1)
+
+
+def evaluate(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank: int = 10,
+             trees: dict | None = None) -> dict:
+    """Held-out per-head top-1/top-5 accuracy and the tau implied for each tree.
+
+    Returns ``{"top1": [...], "top5": [...], "positions": P, "tau": {name: value}}``.
+    """
+    K = heads.num_heads
+    all_ranks = []
+    for i in range(0, len(feats), batch_size):
+        h = mx.array(np.asarray(feats.hidden[i : i + batch_size]))
+        tg = mx.array(np.asarray(feats.targets[i : i + batch_size, 1 : K + 1])).T  # (K, B)
+        logits = stream_logits(model, heads, h)  # (K, B, V)
+        true = mx.take_along_axis(logits, mx.maximum(tg, 0)[..., None], axis=-1)
+        rank = (logits > true).sum(axis=-1)  # (K, B): how many tokens beat the target
+        rank = mx.where((tg >= 0) & (rank < max_rank), rank, -1)
+        all_ranks.append(np.array(rank.T))
+    ranks = np.concatenate(all_ranks) if all_ranks else np.zeros((0, K), dtype=np.int32)
+    valid = np.asarray(feats.targets[:, 1 : K + 1]) >= 0
+    n = np.maximum(valid.sum(axis=0), 1)
+    out = {
+        "positions": int(len(feats)),
+        "top1": [float(((ranks[:, j] == 0) & valid[:, j]).sum() / n[j]) for j in range(K)],
+        "top5": [float(((ranks[:, j] >= 0) & (ranks[:, j] < 5) & valid[:, j]).sum() / n[j]) for j in range(K)],
+    }
+    out["tau"] = {name: implied_tau(ranks, choices) for name, choices in (trees or {}).items()}
+    return out
+
+
+def _schedule(cfg: TrainConfig, total: int):
+    warm = max(min(cfg.warmup, total - 1), 1)
+    return optim.join_schedules(
+        [optim.linear_schedule(cfg.lr / warm, cfg.lr, warm), optim.cosine_decay(cfg.lr, max(total - warm, 1))],
+        [warm],
+    )
+
+
+def _save_checkpoint(path: Path, heads, opt, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        mx.save_safetensors(str(tmp / "heads.safetensors"), dict(tree_flatten(heads.parameters())))
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+        (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_checkpoint(path: Path, heads, opt) -> dict:
+    try:
+        state = json.loads((path / "state.json").read_text())
+        heads.load_weights(list(mx.load(str(path / "heads.safetensors")).items()), strict=True)
+        opt.state = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise ValueError(f"{path}: checkpoint unreadable ({e}); delete it to start over") from e
+    return state
+
+
+def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: TrainConfig,
+                valid: FeatureCache | None = None, resume: bool = False, progress: bool = True,
+                trees: dict | None = None, stop_after: int | None = None) -> dict | None:
+    """Train ``heads`` (in place) on ``train``; the backbone is never updated.
+
+    Writes ``out_dir/checkpoint`` every ``cfg.checkpoint_every`` optimizer steps (an
+    atomic folder swap) and, at the end, ``out_dir/heads`` (the heads folder) and
+    ``out_dir/report.json``. With ``resume=True`` the run continues from the
+    checkpoint with the same batch order, so it ends where an uninterrupted run ends.
+    ``stop_after`` ends the run after that many optimizer steps in this call, leaving
+    only the checkpoint (as if it were killed); it returns ``None`` then.
+
+    Returns:
+        The report: config, steps, wall time, tokens/s, peak memory, training loss,
+        held-out accuracy and implied tau.
+    """
+    from mlx_stream.heads import save_heads
+
+    out_dir = Path(out_dir)
+    P = len(train)
+    per_epoch = max(P // cfg.batch_size, 1)
+    total_micro = max(int(math.ceil(cfg.epochs * per_epoch)), cfg.grad_accum)
+    total_steps = total_micro // cfg.grad_accum
+    opt = optim.AdamW(learning_rate=_schedule(cfg, total_steps), weight_decay=cfg.weight_decay)
+    weights = head_weights(heads.num_heads, cfg.head_decay)
+    model.backbone.freeze()
+
+    def loss_fn(h, t):
+        return stream_loss(model, heads, h, t, weights)
+
+    loss_and_grad = nn.value_and_grad(heads, loss_fn)
+    ckpt = out_dir / "checkpoint"
+    step, losses = 0, []
+    if resume and ckpt.exists():
+        st = _load_checkpoint(ckpt, heads, opt)
+        step, losses = st["step"], st["losses"]
+    opt.init(heads.trainable_parameters()) if not opt.state else None
+
+    def batch(micro: int):
+        epoch, k = divmod(micro, per_epoch)
+        perm = np.random.default_rng(cfg.seed + epoch).permutation(P)
+        idx = np.sort(perm[k * cfg.batch_size : (k + 1) * cfg.batch_size])
+        return mx.array(np.asarray(train.hidden[idx])), mx.array(np.asarray(train.targets[idx]))
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeRemainingColumn(), TextColumn("{task.fields[info]}"), disable=not progress)
+    tic, start_step = time.perf_counter(), step
+    correct = np.zeros((heads.num_heads, 2))
+    with bar:
+        task = bar.add_task("train", total=total_steps, completed=step, info="")
+        while step < total_steps:
+            grads_sum, loss_sum = None, 0.0
+            for a in range(cfg.grad_accum):
+                (loss, corr), grads = loss_and_grad(*batch(step * cfg.grad_accum + a))
+                grads_sum = grads if grads_sum is None else tree_map_add(grads_sum, grads)
+                loss_sum = loss_sum + loss
+                correct += np.array(corr)
+            if cfg.grad_accum > 1:
+                grads_sum = tree_scale(grads_sum, 1.0 / cfg.grad_accum)
+            opt.update(heads, grads_sum)
+            mx.eval(heads.parameters(), opt.state, loss_sum)
+            step += 1
+            losses.append(float(loss_sum) / cfg.grad_accum)
+            done = step - start_step
+            tps = done * cfg.grad_accum * cfg.batch_size / (time.perf_counter() - tic)
+            acc = " ".join(f"{c / max(n, 1):.2f}" for c, n in correct)
+            bar.update(task, completed=step, info=f"loss {losses[-1]:.3f}  top-1 {acc}  {tps:.0f} tok/s")
+            if step % 50 == 0:
+                correct[:] = 0
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total_steps:
+                _save_checkpoint(ckpt, heads, opt, {"step": step, "losses": losses, "config": asdict(cfg)})
+            if stop_after is not None and step - start_step >= stop_after and step < total_steps:
+                return None
+    wall = time.perf_counter() - tic
+    save_heads(heads, out_dir / "heads")
+    report = {
+        "config": asdict(cfg),
+        "steps": total_steps,
+        "train_positions": P,
+        "wall_s": wall,
+        "tokens_per_s": (total_steps - start_step) * cfg.grad_accum * cfg.batch_size / max(wall, 1e-9),
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "final_loss": float(np.mean(losses[-20:])) if losses else None,
+        "head_params": sum(v.size for _, v in tree_flatten(heads.parameters())),
+        "backbone_params": sum(v.size for _, v in tree_flatten(model.backbone.parameters())),
+    }
+    if valid is not None and len(valid):
+        report["valid"] = evaluate(model, heads, valid, trees=trees)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return report
+
+
+def tree_map_add(a, b):
+    from mlx.utils import tree_map
+
+    return tree_map(lambda x, y: x + y, a, b)
+
+
+def tree_scale(a, s: float):
+    from mlx.utils import tree_map
+
+    return tree_map(lambda x: x * s, a)

@@ -275,5 +275,45 @@ def bench(
         (Path(out) / "report.json").write_text(json.dumps(res, indent=2))
 
 
+@app.command()
+def train(
+    out: str = typer.Option(..., "--out", "-o", help="Run folder: data, features, checkpoint, heads, report.json."),
+    model: str = _MODEL,
+    data: Optional[str] = typer.Option(None, "--data", help="Prompts/dataset jsonl (mlx-lm formats); default: Magpie prompts."),
+    synthesize: int = typer.Option(512, "--synthesize", help="Self-synthesised prompts when --data is not given."),
+    distill: bool = typer.Option(True, "--distill/--no-distill", help="Let the backbone write the completions (default)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Completion length for self-distillation."),
+    num_heads: int = typer.Option(3, "--num-heads", "-k", help="Stream heads K."),
+    epochs: float = typer.Option(3.0, "--epochs"),
+    batch_size: int = typer.Option(256, "--batch-size", help="Positions (tokens) per micro-batch."),
+    grad_accum: int = typer.Option(1, "--grad-accum"),
+    lr: float = typer.Option(1e-3, "--lr"),
+    warmup: int = typer.Option(50, "--warmup", help="Warm-up optimizer steps."),
+    checkpoint_every: int = typer.Option(200, "--checkpoint-every"),
+    seed: int = typer.Option(0, "--seed"),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out where it stopped."),
+):
+    """Train stream heads against the frozen backbone."""
+    from mlx_stream.train.pipeline import run
+    from mlx_stream.train.trainer import TrainConfig
+
+    for name, v in (("--num-heads", num_heads), ("--batch-size", batch_size), ("--grad-accum", grad_accum),
+                    ("--max-tokens", max_tokens)):
+        if v < 1:
+            _fail(f"{name} must be >= 1, got {v}")
+    if epochs <= 0 or lr <= 0:
+        _fail("--epochs and --lr must be > 0")
+    _blas_hint()
+    cfg = TrainConfig(num_heads=num_heads, epochs=epochs, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
+                      warmup=warmup, checkpoint_every=checkpoint_every, seed=seed)
+    try:
+        report = run(model, out, cfg, data=data, synthesize=synthesize, distill=distill, max_tokens=max_tokens,
+                     resume=resume)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    v = report.get("valid", {})
+    typer.echo(f"heads: {out}/heads  top-1 {v.get('top1')}  top-5 {v.get('top5')}  implied tau {v.get('tau')}")
+
+
 if __name__ == "__main__":
     app()

@@ -181,7 +181,7 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
         epoch, k = divmod(micro, per_epoch)
         perm = np.random.default_rng(cfg.seed + epoch).permutation(P)
         idx = np.sort(perm[k * cfg.batch_size : (k + 1) * cfg.batch_size])
-        return mx.array(np.asarray(train.hidden[idx])), mx.array(np.asarray(train.targets[idx]))
+        return mx.array(np.asarray(train.hidden[idx])), mx.array(np.asarray(train.targets[idx, : heads.num_heads + 1]))
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -82,3 +82,32 @@ def test_wheel_holds_only_mlx_stream(tmp_path):
     assert tops == {"mlx_stream"}
     for mod in ("cli.py", "heads/__init__.py", "convert/gguf.py", "train/__init__.py", "data/prompts.jsonl"):
         assert f"mlx_stream/{mod}" in names
+
+
+def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "The quick brown fox"}\n{"prompt": "heads, trees!"}\n'
+                    '{"text": "Speculative decoding drafts tokens"}\n')
+    out = tmp_path / "run"
+    args = ["train", "--model", str(tiny_dir), "--out", str(out), "--data", str(data), "--max-tokens", "12",
+            "--epochs", "2", "--batch-size", "8"]
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    assert (out / "heads" / "heads.safetensors").is_file() and (out / "report.json").is_file()
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["valid"]["top1"]) == 3 and "chain" in report["valid"]["tau"]
+    r = run(*args)
+    assert r.returncode == 2 and "--resume" in r.stderr
+    r = run(*args, "--resume")  # every stage is found on disk and reused
+    assert r.returncode == 0, r.stderr
+    g = run("generate", "--model", str(tiny_dir), "--heads", str(out / "heads"), "-p", "The quick",
+            "--max-tokens", "6", "--json")
+    assert g.returncode == 0 and json.loads(g.stdout)["heads"] is True
+
+
+@pytest.mark.parametrize("args,msg", [(["--num-heads", "0"], "--num-heads"), (["--epochs", "0"], "--epochs"),
+                                      (["--data", "/nonexistent.jsonl"], "dataset not found")])
+def test_train_bad_input_exits_2(tiny_dir, tmp_path, args, msg):
+    r = run("train", "--model", str(tiny_dir), "--out", str(tmp_path / "o"), *args)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()  # nothing half-made is left to trip the next run

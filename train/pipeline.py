@@ -27,28 +27,65 @@ def _log(msg: str) -> None:
     print(f"[train] {msg}", flush=True)
 
 
+def _complete_rows(path: Path) -> list[dict]:
+    """Rows of an append-only jsonl log, dropping a last line cut off by a kill (the
+    file is rewritten without it)."""
+    if not path.is_file():
+        return []
+    rows = []
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    for line in lines:
+        if not line.endswith("\n"):
+            break
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    if len(rows) != len(lines):
+        write_jsonl(rows, path)
+    return rows
+
+
 def prepare_data(model, tokenizer, out: Path, data: str | None, synthesize: int, distill: bool,
                  max_tokens: int, valid_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
-    """The train/valid rows: read from ``out/data`` when present, else built and saved."""
-    tr_path, va_path = out / "data" / "train.jsonl", out / "data" / "valid.jsonl"
+    """The train/valid rows: read from ``out/data`` when present, else built and saved.
+
+    Synthesised prompts are saved first (``data/prompts.jsonl``) and distilled rows are
+    appended batch by batch (``data/distilled.jsonl``), so a killed run resumes
+    without redoing either.
+    """
+    d = out / "data"
+    tr_path, va_path = d / "train.jsonl", d / "valid.jsonl"
     if tr_path.is_file() and va_path.is_file():
         return read_jsonl(tr_path), read_jsonl(va_path)
     if data:
         rows = [to_example(r, f"{data}:{i + 1}") for i, r in enumerate(read_jsonl(data))]
+    elif (d / "prompts.jsonl").is_file():
+        rows = read_jsonl(d / "prompts.jsonl")
     else:
         tic = time.perf_counter()
         prompts = synthesize_prompts(model, tokenizer, synthesize, seed=seed)
         _log(f"synthesised {len(prompts)} prompts (Magpie) in {time.perf_counter() - tic:.0f}s")
         rows = [{"prompt": p, "completion": None} for p in prompts]
+        write_jsonl(rows, d / "prompts.jsonl")
     # rows with a prompt get the backbone's own completion (always when they have none);
     # raw-text rows have no prompt to answer and are kept as they are
-    todo = [r for r in rows if r["prompt"] != "" and (distill or r["completion"] is None)]
+    needs = [r["prompt"] != "" and (distill or r["completion"] is None) for r in rows]
+    todo = [r for r, n in zip(rows, needs) if n]
     if todo:
+        log = d / "distilled.jsonl"
+        done = _complete_rows(log)
+        d.mkdir(parents=True, exist_ok=True)
         tic = time.perf_counter()
-        done = self_distill(model, tokenizer, [r["prompt"] for r in todo], max_tokens=max_tokens,
-                            progress=lambda k: _log(f"self-distilled {k}/{len(todo)}"))
+        with log.open("a", encoding="utf-8") as f:
+            for i in range(len(done), len(todo), 16):
+                new = self_distill(model, tokenizer, [r["prompt"] for r in todo[i : i + 16]], max_tokens=max_tokens)
+                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in new))
+                f.flush()
+                done += new
+                _log(f"self-distilled {len(done)}/{len(todo)}")
         _log(f"self-distillation took {time.perf_counter() - tic:.0f}s")
-        rows = [r for r in rows if not (r["prompt"] != "" and (distill or r["completion"] is None))] + done
+        rows = [r for r, n in zip(rows, needs) if not n] + done
     if len(rows) < 2:
         raise ValueError(
             f"only {len(rows)} usable prompts ({'from ' + data if data else 'synthesised'}): "

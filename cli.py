@@ -284,6 +284,7 @@ def train(
     distill: bool = typer.Option(True, "--distill/--no-distill", help="Let the backbone write the completions (default)."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Completion length for self-distillation."),
     num_heads: int = typer.Option(3, "--num-heads", "-k", help="Stream heads K."),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Tokens the heads score (most frequent); 0 = all."),
     epochs: float = typer.Option(3.0, "--epochs"),
     batch_size: int = typer.Option(256, "--batch-size", help="Positions (tokens) per micro-batch."),
     grad_accum: int = typer.Option(1, "--grad-accum"),
@@ -297,6 +298,8 @@ def train(
     from mlx_stream.train.pipeline import run
     from mlx_stream.train.trainer import TrainConfig
 
+    if draft_vocab < 0:
+        _fail(f"--draft-vocab must be >= 0, got {draft_vocab}")
     for name, v in (("--num-heads", num_heads), ("--batch-size", batch_size), ("--grad-accum", grad_accum),
                     ("--max-tokens", max_tokens)):
         if v < 1:
@@ -308,7 +311,7 @@ def train(
                       warmup=warmup, checkpoint_every=checkpoint_every, seed=seed)
     try:
         report = run(model, out, cfg, data=data, synthesize=synthesize, distill=distill, max_tokens=max_tokens,
-                     resume=resume)
+                     resume=resume, draft_vocab=draft_vocab)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     v = report.get("valid", {})

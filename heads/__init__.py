@@ -1,10 +1,10 @@
 """Stream heads: configuration, modules, and the checkpoint folder format."""
 
 from .config import ARCHITECTURES, HeadConfig
-from .io import backbone_fingerprint, load_heads, new_heads, save_heads
+from .io import backbone_fingerprint, load_heads, new_heads, output_weight, save_heads
 from .modules import ResidualBlock, StreamHeads
 
 __all__ = [
     "ARCHITECTURES", "HeadConfig", "ResidualBlock", "StreamHeads",
-    "backbone_fingerprint", "load_heads", "new_heads", "save_heads",
+    "backbone_fingerprint", "load_heads", "new_heads", "output_weight", "save_heads",
 ]

@@ -20,6 +20,9 @@ class HeadConfig:
             backbone's frozen output projection).
         architecture: the head architecture (one of :data:`ARCHITECTURES`).
         num_layers: residual blocks per head.
+        draft_vocab_size: 0 for the full vocabulary, else the heads score only this
+            many tokens (the most frequent in the training data; ids stored with the
+            weights): a reduced draft vocabulary, far cheaper to train and to draft.
         fingerprint: the backbone these heads were trained for (see
             :func:`mlx_stream.heads.backbone_fingerprint`).
     """
@@ -29,11 +32,14 @@ class HeadConfig:
     vocab_size: int
     architecture: str = "residual"
     num_layers: int = 1
+    draft_vocab_size: int = 0
     fingerprint: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 0..{self.vocab_size}, got {self.draft_vocab_size}")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
                 f"unknown head architecture {self.architecture!r}; known: {', '.join(ARCHITECTURES)}"

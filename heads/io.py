@@ -17,7 +17,8 @@ from .config import HeadConfig
 from .modules import StreamHeads
 
 
-def _output_weight(backbone) -> mx.array:
+def output_weight(backbone) -> mx.array:
+    """The backbone's output projection as a float ``(V, H)`` matrix (dequantised)."""
     head = backbone.model.embed_tokens
     if not getattr(backbone.args, "tie_word_embeddings", True) and hasattr(backbone, "lm_head"):
         head = backbone.lm_head
@@ -40,7 +41,7 @@ def backbone_fingerprint(backbone, tokenizer) -> dict:
     args = backbone.args
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     tok_hash = hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
-    w = np.array(_output_weight(backbone).astype(mx.float16))
+    w = np.array(output_weight(backbone).astype(mx.float16))
     return {
         "architecture": backbone.model_type,
         "hidden_size": int(args.hidden_size),
@@ -51,7 +52,7 @@ def backbone_fingerprint(backbone, tokenizer) -> dict:
 
 
 def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed: int | None = None,
-              scale: float = 0.0) -> StreamHeads:
+              scale: float = 0.0, draft_ids: mx.array | None = None) -> StreamHeads:
     """Fresh heads for ``backbone``: zero-initialised (``scale=0``), or random with
     weights drawn from N(0, scale^2) (for tests). Carries the backbone fingerprint."""
     cfg = HeadConfig(
@@ -59,14 +60,17 @@ def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed
         hidden_size=int(backbone.args.hidden_size),
         vocab_size=int(backbone.args.vocab_size),
         num_layers=num_layers,
+        draft_vocab_size=0 if draft_ids is None else int(draft_ids.shape[0]),
         fingerprint=backbone_fingerprint(backbone, tokenizer),
     )
     heads = StreamHeads(cfg)
+    if draft_ids is not None:
+        heads.set_draft_vocab(draft_ids)
     if scale > 0:
-        flat = tree_flatten(heads.parameters())
+        flat = tree_flatten(heads.trainable_parameters())
         keys = mx.random.split(mx.random.key(0 if seed is None else seed), len(flat))
         params = [(name, scale * mx.random.normal(p.shape, key=k)) for (name, p), k in zip(flat, keys)]
-        heads.load_weights(params)
+        heads.load_weights(params, strict=False)
     mx.eval(heads.parameters())
     return heads
 

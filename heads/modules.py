@@ -39,6 +39,24 @@ class StreamHeads(nn.Module):
             [ResidualBlock(config.hidden_size) for _ in range(config.num_layers)]
             for _ in range(config.num_heads)
         ]
+        if config.draft_vocab_size:
+            # token ids of the draft vocabulary (row i of the head logits = token draft_ids[i])
+            self.draft_ids = mx.arange(config.draft_vocab_size, dtype=mx.int32)
+            self.freeze(keys=["draft_ids"], recurse=False)
+
+    def set_draft_vocab(self, ids: mx.array) -> None:
+        """Set the draft vocabulary: ``(draft_vocab_size,)`` distinct token ids.
+
+        Raises:
+            ValueError: the heads were configured for the full vocabulary, or the
+                shape does not match ``config.draft_vocab_size``.
+        """
+        if not self.config.draft_vocab_size or ids.shape != (self.config.draft_vocab_size,):
+            raise ValueError(
+                f"expected {self.config.draft_vocab_size} draft token ids, got shape {tuple(ids.shape)}"
+            )
+        self.draft_ids = ids.astype(mx.int32)
+        self.freeze(keys=["draft_ids"], recurse=False)
 
     @property
     def num_heads(self) -> int:

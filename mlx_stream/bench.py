@@ -40,17 +40,10 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
         FileNotFoundError: no such file.
         ValueError: a line that is not JSON or has none of those fields (line named).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: prompts file not found")
+    from .train.data import read_jsonl
+
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+    for n, row in enumerate(read_jsonl(path), 1):
         if "prompt" in row:
             out.append(row["prompt"])
         elif row.get("turns"):
@@ -58,7 +51,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
         elif row.get("messages"):
             out.append(next(m["content"] for m in row["messages"] if m["role"] == "user"))
         else:
-            raise ValueError(f"{path}:{n}: expected a 'prompt', 'turns' or 'messages' field")
+            raise ValueError(f"{path}: row {n}: expected a 'prompt', 'turns' or 'messages' field")
     return out[:limit] if limit else out
 
 

@@ -10,7 +10,7 @@ accepted node, from which the stream heads draft the next tree (Bhendawade et al
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import mlx.core as mx

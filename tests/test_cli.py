@@ -1,7 +1,6 @@
 """The command line, end to end in subprocesses, on the tiny model; packaging."""
 
 import json
-import os
 import subprocess
 import sys
 import zipfile

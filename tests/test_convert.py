@@ -2,7 +2,6 @@
 (transformers' GGUF loader on torch CPU, which dequantises with the gguf package)."""
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np

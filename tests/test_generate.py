@@ -1,6 +1,5 @@
 """The decode loop on a tiny random llama: identity, stopping, limits, errors."""
 
-import mlx.core as mx
 import mlx_lm
 import pytest
 

@@ -6,7 +6,7 @@ every forward pass verifies the previous tree and drafts the next one, losslessl
 Models", arXiv 2402.11131).
 
     >>> from mlx_stream import load, generate
-    >>> model, tokenizer = load("smollm2-135m-instruct", heads="default")
+    >>> model, tokenizer = load("smollm2-135m-instruct")  # heads="path/to/heads" to speculate
     >>> generate(model, tokenizer, "Hello", max_tokens=32)
 """
 

@@ -215,11 +215,11 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
             grads_sum, loss_sum = None, 0.0
             for a in range(cfg.grad_accum):
                 (loss, corr), grads = loss_and_grad(*batch(step * cfg.grad_accum + a))
-                grads_sum = grads if grads_sum is None else tree_map_add(grads_sum, grads)
+                grads_sum = grads if grads_sum is None else _tree_add(grads_sum, grads)
                 loss_sum = loss_sum + loss
                 correct += np.array(corr)
             if cfg.grad_accum > 1:
-                grads_sum = tree_scale(grads_sum, 1.0 / cfg.grad_accum)
+                grads_sum = _tree_scale(grads_sum, 1.0 / cfg.grad_accum)
             opt.update(heads, grads_sum)
             mx.eval(heads.parameters(), opt.state, loss_sum)
             step += 1
@@ -259,13 +259,13 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
     return report
 
 
-def tree_map_add(a, b):
+def _tree_add(a, b):
     from mlx.utils import tree_map
 
     return tree_map(lambda x, y: x + y, a, b)
 
 
-def tree_scale(a, s: float):
+def _tree_scale(a, s: float):
     from mlx.utils import tree_map
 
     return tree_map(lambda x: x * s, a)

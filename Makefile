@@ -10,7 +10,7 @@ OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 # (checked when the command runs, so an OpenBLAS installed by the setup step is used at once)
 RUN_ENV = env $$( [ -e $(OPENBLAS) ] && echo "LD_PRELOAD=$(OPENBLAS) OPENBLAS_NUM_THREADS=1" )
 
-.PHONY: setup chat test clean
+.PHONY: setup chat test heads clean
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,17 @@ chat: setup
 
 test: $(VENV)/.installed-test
 	$(RUN_ENV) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The shipped heads for the default model, from nothing (Magpie prompts, self-distillation,
+# training); resumable: rerun after an interruption. Then copied into the package data.
+HEADS_RUN ?= runs/smollm2-135m-instruct
+HEADS_RECIPE ?= --synthesize 2000 --workers 2 --max-tokens 256 --architecture hydra --num-heads 4 --epochs 2
+heads: setup
+	$(RUN_ENV) $(VENV)/bin/mlx-stream train --out $(HEADS_RUN) --resume $(HEADS_RECIPE)
+	rm -rf mlx_stream/data/heads/smollm2-135m-instruct
+	mkdir -p mlx_stream/data/heads
+	cp -r $(HEADS_RUN)/heads mlx_stream/data/heads/smollm2-135m-instruct
+	cp $(HEADS_RUN)/report.json mlx_stream/data/heads/smollm2-135m-instruct/report.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -223,8 +223,9 @@ def bench(
     model: str = _MODEL,
     heads: str = _HEADS,
     drafter: str = typer.Option("heads", "--drafter", help="heads | oracle (drafts the target's own output: the loop's ceiling)"),
-    prompts: str = typer.Option("builtin", "--prompts", help="A jsonl file ('prompt', Spec-Bench 'turns' or 'messages'), or 'builtin'."),
+    prompts: str = typer.Option("builtin", "--prompts", help="A jsonl file ('prompt', Spec-Bench 'turns' or 'messages'), 'builtin', or 'spec-bench' (../shared/data/spec_bench/question.jsonl, --per-group from each task group)."),
     limit: int = typer.Option(8, "--limit", "-n", help="How many prompts."),
+    per_group: int = typer.Option(8, "--per-group", help="With --prompts spec-bench: the first N questions of each of the 6 task groups."),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     tree: Optional[str] = _TREE,
     dtype: str = _DTYPE,
@@ -234,7 +235,7 @@ def bench(
     from pathlib import Path
 
     from mlx_stream import OracleDrafter
-    from mlx_stream.bench import compare, forward_cost, load_prompts, summary
+    from mlx_stream.bench import compare, forward_cost, load_prompts, load_spec_bench, summary
     from mlx_stream.env import openblas_loaded
     from mlx_stream.tree import parse_tree
 
@@ -242,8 +243,13 @@ def bench(
         _fail(f"unknown drafter {drafter!r}: use heads or oracle")
     try:
         check = parse_tree(tree, 1 << 10) if tree is not None else None
-        path = Path(__file__).parent / "data" / "prompts.jsonl" if prompts == "builtin" else Path(prompts)
-        texts = load_prompts(path, limit)
+        groups = None
+        if prompts == "spec-bench":
+            items = load_spec_bench(Path("../shared/data/spec_bench/question.jsonl"), per_group)
+            texts, groups = [it["prompt"] for it in items], [it["group"] for it in items]
+        else:
+            path = Path(__file__).parent / "data" / "prompts.jsonl" if prompts == "builtin" else Path(prompts)
+            texts = load_prompts(path, limit)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     _blas_hint()
@@ -264,12 +270,14 @@ def bench(
         f"prompt {r.prompt:3d}: {r.tokens:4d} tokens  plain {r.plain_tps:6.1f} tok/s  "
         f"mlx-stream {r.spec_tps:6.1f} tok/s  x{r.speedup:.2f}  tau {r.tau:.2f}  "
         f"{'identical' if r.identical else 'DIFFERENT'}")
-    res = summary(compare(m, tok, texts, max_tokens, make_drafter=make, tree=tree, progress=show))
+    res = summary(compare(m, tok, texts, max_tokens, make_drafter=make, tree=tree, progress=show), groups)
     res.update({"model": model, "drafter": drafter, "tree": tree, "dtype": dtype, "max_tokens": max_tokens,
                 "openblas": openblas_loaded(), "forward_cost": {str(k): v for k, v in cost.items()}})
     typer.echo(f"median speedup x{res['median_speedup']:.2f}, median tau {res['median_tau']:.2f}, "
                f"identical {res['identical']}/{res['prompts']}, plain {res['median_plain_tps']:.1f} tok/s, "
                f"mlx-stream {res['median_spec_tps']:.1f} tok/s")
+    for g, v in res.get("per_group", {}).items():
+        typer.echo(f"  {g:16s} speedup x{v['median_speedup']:.2f}  tau {v['median_tau']:.2f}  ({v['prompts']} prompts)")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "report.json").write_text(json.dumps(res, indent=2))
@@ -283,12 +291,18 @@ def train(
     synthesize: int = typer.Option(512, "--synthesize", help="Self-synthesised prompts when --data is not given."),
     distill: bool = typer.Option(True, "--distill/--no-distill", help="Let the backbone write the completions (default)."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Completion length for self-distillation."),
+    workers: int = typer.Option(1, "--workers", help="Self-distillation processes (2 suits a 2-core CPU)."),
+    gen_batch_size: int = typer.Option(32, "--gen-batch-size", help="Sequences generated together per process."),
     num_heads: int = typer.Option(3, "--num-heads", "-k", help="Stream heads K."),
+    architecture: str = typer.Option("hydra", "--architecture", help="Head architecture: hydra or residual."),
+    num_layers: int = typer.Option(1, "--num-layers", help="Blocks per head."),
     draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Tokens the heads score (most frequent); 0 = all."),
     epochs: float = typer.Option(3.0, "--epochs"),
     batch_size: int = typer.Option(256, "--batch-size", help="Positions (tokens) per micro-batch."),
     grad_accum: int = typer.Option(1, "--grad-accum"),
     lr: float = typer.Option(1e-3, "--lr"),
+    kl_weight: float = typer.Option(0.0, "--kl-weight", help="Weight of the KL to the backbone's distribution (soft targets)."),
+    head_decay: float = typer.Option(0.8, "--head-decay", help="Loss weight of head j is head_decay**(j-1)."),
     warmup: int = typer.Option(50, "--warmup", help="Warm-up optimizer steps."),
     checkpoint_every: int = typer.Option(200, "--checkpoint-every"),
     seed: int = typer.Option(0, "--seed"),
@@ -300,19 +314,28 @@ def train(
 
     if draft_vocab < 0:
         _fail(f"--draft-vocab must be >= 0, got {draft_vocab}")
+    from mlx_stream.heads import ARCHITECTURES
+
+    if architecture not in ARCHITECTURES:
+        _fail(f"unknown --architecture {architecture!r}; use one of: {', '.join(ARCHITECTURES)}")
     for name, v in (("--num-heads", num_heads), ("--batch-size", batch_size), ("--grad-accum", grad_accum),
-                    ("--max-tokens", max_tokens)):
+                    ("--max-tokens", max_tokens), ("--num-layers", num_layers), ("--workers", workers),
+                    ("--gen-batch-size", gen_batch_size)):
         if v < 1:
             _fail(f"{name} must be >= 1, got {v}")
     if epochs <= 0 or lr <= 0:
         _fail("--epochs and --lr must be > 0")
+    if kl_weight < 0 or head_decay <= 0:
+        _fail("--kl-weight must be >= 0 and --head-decay > 0")
     _blas_hint()
-    cfg = TrainConfig(num_heads=num_heads, epochs=epochs, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
+    cfg = TrainConfig(num_heads=num_heads, num_layers=num_layers, epochs=epochs, kl_weight=kl_weight,
+                      head_decay=head_decay, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                       warmup=warmup, checkpoint_every=checkpoint_every, seed=seed)
     try:
         report = run(model, out, cfg, data=data, synthesize=synthesize, distill=distill, max_tokens=max_tokens,
-                     resume=resume, draft_vocab=draft_vocab)
-    except (ValueError, FileNotFoundError) as e:
+                     resume=resume, draft_vocab=draft_vocab, architecture=architecture, workers=workers,
+                     gen_batch_size=gen_batch_size)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
     v = report.get("valid", {})
     typer.echo(f"heads: {out}/heads  top-1 {v.get('top1')}  top-5 {v.get('top5')}  implied tau {v.get('tau')}")

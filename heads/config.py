@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ARCHITECTURES = ("residual",)
+ARCHITECTURES = ("residual", "hydra")
 
 
 @dataclass
@@ -19,7 +19,8 @@ class HeadConfig:
         vocab_size: the backbone's vocabulary size V (logits come from the
             backbone's frozen output projection).
         architecture: the head architecture (one of :data:`ARCHITECTURES`).
-        num_layers: residual blocks per head.
+        num_layers: blocks per head (for "hydra", the first is the path-conditioned
+            block and the rest are residual blocks).
         draft_vocab_size: 0 for the full vocabulary, else the heads score only this
             many tokens (the most frequent in the training data; ids stored with the
             weights): a reduced draft vocabulary, far cheaper to train and to draft.
@@ -36,6 +37,8 @@ class HeadConfig:
     fingerprint: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:

@@ -52,13 +52,19 @@ def backbone_fingerprint(backbone, tokenizer) -> dict:
 
 
 def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed: int | None = None,
-              scale: float = 0.0, draft_ids: mx.array | None = None) -> StreamHeads:
-    """Fresh heads for ``backbone``: zero-initialised (``scale=0``), or random with
-    weights drawn from N(0, scale^2) (for tests). Carries the backbone fingerprint."""
+              scale: float = 0.0, draft_ids: mx.array | None = None, architecture: str = "residual") -> StreamHeads:
+    """Fresh heads for ``backbone``: their output blocks zero-initialised (``scale=0``,
+    so a fresh head repeats the backbone's own prediction), or every weight drawn from
+    N(0, scale^2) (for tests). Carries the backbone fingerprint.
+
+    Raises:
+        ValueError: an unknown ``architecture`` or ``num_heads``/``num_layers`` < 1.
+    """
     cfg = HeadConfig(
         num_heads=num_heads,
         hidden_size=int(backbone.args.hidden_size),
         vocab_size=int(backbone.args.vocab_size),
+        architecture=architecture,
         num_layers=num_layers,
         draft_vocab_size=0 if draft_ids is None else int(draft_ids.shape[0]),
         fingerprint=backbone_fingerprint(backbone, tokenizer),

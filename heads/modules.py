@@ -23,22 +23,53 @@ class ResidualBlock(nn.Module):
         return h + nn.silu(self.linear(h))
 
 
-class StreamHeads(nn.Module):
-    """K independent residual stream heads over the backbone's last hidden state.
+class HydraBlock(nn.Module):
+    """One step of a path-conditioned head: ``s + W_2 SiLU(W_1 [s; e] + b_1) + b_2``, with
+    ``W_2``, ``b_2`` zero-initialised (a fresh step is the identity on ``s``).
 
-    Head j maps the final (normed) hidden state h_t, shape ``(..., H)``, to a hidden
-    vector whose projection through the backbone's frozen output head gives logits for
-    token t+1+j (Speculative Streaming, Bhendawade et al. 2024, sec. 3.1: stream j
-    predicts the (j+1)-th next token; Medusa heads, Cai et al. 2024, eq. 1).
+    ``s`` is the head state of the previous depth (the backbone's hidden state h_t at
+    depth 0) and ``e`` the input embedding of the token on the draft path that this
+    depth conditions on (Hydra's sequentially dependent heads, Ankner et al. 2024,
+    sec. 3; the recurrence over the path follows EAGLE's feature + shifted-token input,
+    Li et al. 2024).
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.inp = nn.Linear(2 * hidden_size, hidden_size)
+        self.out = nn.Linear(hidden_size, hidden_size)
+        self.out.weight = mx.zeros_like(self.out.weight)
+        self.out.bias = mx.zeros_like(self.out.bias)
+
+    def __call__(self, s: mx.array, e: mx.array) -> mx.array:
+        return s + self.out(nn.silu(self.inp(mx.concatenate([s, e.astype(s.dtype)], axis=-1))))
+
+
+class StreamHeads(nn.Module):
+    """K stream heads over the backbone's last hidden state, in one of two architectures.
+
+    Head j (1..K) yields a hidden vector whose projection through the backbone's frozen
+    output head gives logits for token t+1+j (Speculative Streaming, Bhendawade et al.
+    2024, sec. 3.1: stream j predicts the (j+1)-th next token).
+
+    * ``"residual"`` (Medusa-1, Cai et al. 2024, eq. 1): head j is ``num_layers``
+      residual SiLU blocks applied to h_t; heads are independent of each other.
+    * ``"hydra"`` (Ankner et al. 2024): head j also sees the tokens on the draft path
+      before the token it predicts. State ``s_0 = h_t``; ``s_j = B_j(s_{j-1}, e(x_{t+j}))``
+      (a :class:`HydraBlock`, then ``num_layers - 1`` residual blocks), where
+      ``x_{t+1}`` is the backbone's own next token (the tree's root) and ``e`` the
+      backbone's frozen input embedding. A draft tree is then filled depth by depth,
+      each child conditioned on its own ancestors.
     """
 
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
-        self.heads = [
-            [ResidualBlock(config.hidden_size) for _ in range(config.num_layers)]
-            for _ in range(config.num_heads)
-        ]
+        H, n = config.hidden_size, config.num_layers
+        if config.architecture == "hydra":
+            self.heads = [[HydraBlock(H)] + [ResidualBlock(H) for _ in range(n - 1)] for _ in range(config.num_heads)]
+        else:
+            self.heads = [[ResidualBlock(H) for _ in range(n)] for _ in range(config.num_heads)]
         if config.draft_vocab_size:
             # token ids of the draft vocabulary (row i of the head logits = token draft_ids[i])
             self.draft_ids = mx.arange(config.draft_vocab_size, dtype=mx.int32)
@@ -62,12 +93,43 @@ class StreamHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
-    def __call__(self, h: mx.array) -> mx.array:
-        """``h``: ``(..., H)`` -> ``(K, ..., H)``, one hidden vector per head."""
-        outs = []
-        for blocks in self.heads:
-            x = h
-            for block in blocks:
-                x = block(x)
-            outs.append(x)
+    @property
+    def conditioned(self) -> bool:
+        """Whether head j needs the path tokens ``x_{t+1..t+j}`` (the ``"hydra"`` heads)."""
+        return self.config.architecture == "hydra"
+
+    def step(self, j: int, s: mx.array, e: mx.array | None = None) -> mx.array:
+        """Head ``j`` (1-based) on one input: for residual heads ``s`` is h_t and ``e`` is
+        ignored; for hydra heads ``s`` is ``s_{j-1}`` and ``e`` the ``(..., H)`` embedding
+        of ``x_{t+j}``. Returns ``(..., H)``."""
+        blocks = self.heads[j - 1]
+        if self.conditioned:
+            if e is None:
+                raise ValueError("hydra heads need the embedding of the previous path token")
+            s = blocks[0](s, e)
+            blocks = blocks[1:]
+        for block in blocks:
+            s = block(s)
+        return s
+
+    def __call__(self, h: mx.array, path: mx.array | None = None) -> mx.array:
+        """All K heads along one path (teacher forcing in training; a chain in drafting).
+
+        Args:
+            h: ``(..., H)`` final hidden states h_t.
+            path: ``(..., K, H)`` embeddings of ``x_{t+1}, ..., x_{t+K}``; required for
+                hydra heads, ignored by residual heads.
+
+        Returns:
+            ``(K, ..., H)``, one hidden vector per head.
+        """
+        outs, s = [], h
+        for j in range(1, self.num_heads + 1):
+            if self.conditioned:
+                if path is None:
+                    raise ValueError("hydra heads need the path tokens' embeddings (path=...)")
+                s = self.step(j, s, path[..., j - 1, :])
+                outs.append(s)
+            else:
+                outs.append(self.step(j, h))
         return mx.stack(outs)

@@ -128,9 +128,10 @@ def compare(
     return results
 
 
-def summary(results: Sequence[PromptResult]) -> dict:
-    """Medians over prompts: speedup (spec / plain tokens/s), tau, tokens/s; identity count."""
-    return {
+def summary(results: Sequence[PromptResult], groups: Sequence[str] | None = None) -> dict:
+    """Medians over prompts: speedup (spec / plain tokens/s), tau, tokens/s; identity
+    count; with ``groups`` (a label per prompt) also the medians per group."""
+    out = {
         "prompts": len(results),
         "identical": sum(r.identical for r in results),
         "median_speedup": statistics.median(r.speedup for r in results),
@@ -139,6 +140,14 @@ def summary(results: Sequence[PromptResult]) -> dict:
         "median_spec_tps": statistics.median(r.spec_tps for r in results),
         "results": [asdict(r) | {"speedup": r.speedup} for r in results],
     }
+    if groups is not None:
+        out["per_group"] = {}
+        for g in dict.fromkeys(groups):
+            rs = [r for r, gr in zip(results, groups) if gr == g]
+            out["per_group"][g] = {k: v for k, v in summary(rs).items() if k != "results"}
+        for r, g in zip(out["results"], groups):
+            r["group"] = g
+    return out
 
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")

@@ -49,13 +49,29 @@ class NoDrafter:
         return mx.zeros((0,), dtype=mx.int32)
 
 
+def _topk(logits: mx.array, k: int) -> mx.array:
+    """``(..., V)`` -> ``(..., k)`` indices of the k largest, best first (on the device)."""
+    if k == 1:
+        return mx.argmax(logits, axis=-1, keepdims=True)
+    part = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]  # unordered
+    order = mx.argsort(-mx.take_along_axis(logits, part, axis=-1), axis=-1)
+    return mx.take_along_axis(part, order, axis=-1)
+
+
 class HeadsDrafter:
     """Fill the tree from the stream heads' top-k at one hidden state.
 
-    A node at depth d with rank r gets head d's r-th most likely token
-    (Speculative Streaming, Bhendawade et al. 2024, sec. 3.3; Medusa tree
-    candidates, Cai et al. 2024, sec. 2.1.2). The heads run on a single hidden
-    vector per step, and the top-k and the gather stay on the device.
+    Independent ("residual") heads: a node at depth d with rank r gets head d's r-th
+    most likely token (Speculative Streaming, Bhendawade et al. 2024, sec. 3.3;
+    Medusa tree candidates, Cai et al. 2024, sec. 2.1.2); the heads run once, on a
+    single hidden vector.
+
+    Path-conditioned ("hydra") heads: the tree is filled depth by depth; the children
+    of a node are the top-k of head d run on that node's own path (its head state and
+    its token), so siblings' subtrees differ (Hydra, Ankner et al. 2024, sec. 3). One
+    small batched head call per depth.
+
+    Everything stays lazy on the device: no host sync while drafting.
     """
 
     def __init__(self, model, tree: Tree):
@@ -75,19 +91,49 @@ class HeadsDrafter:
             self._rows = output_weight(model.backbone)[self._ids]
         self._head_idx = mx.array(tree.depths[1:] - 1, dtype=mx.int32)
         self._rank_idx = mx.array(tree.ranks[1:], dtype=mx.int32)
+        self._levels = self._plan_levels(tree) if model.heads.conditioned else None
+
+    @staticmethod
+    def _plan_levels(tree: Tree):
+        # per depth d: (k_d, row of each parent in level d-1, row of each child's parent
+        # among those parents, each child's rank); nodes are breadth-first, so level d is
+        # a contiguous run of node indices and concatenating the levels gives node order
+        levels, prev = [], [0]
+        for d, k in enumerate(tree.topk(), start=1):
+            nodes = [i for i in range(tree.size) if tree.depths[i] == d]
+            parents = sorted({int(tree.parents[i]) for i in nodes})
+            levels.append((
+                k,
+                mx.array([prev.index(p) for p in parents], dtype=mx.int32),
+                mx.array([parents.index(int(tree.parents[i])) for i in nodes], dtype=mx.int32),
+                mx.array([int(tree.ranks[i]) for i in nodes], dtype=mx.int32),
+            ))
+            prev = nodes
+        return levels
 
     def draft(self, hidden, tokens):
         if self.tree.size == 1:
             return mx.zeros((0,), dtype=mx.int32)
+        if self._levels is not None:
+            return self._draft_conditioned(hidden, tokens[-1])
         logits = self.model.head_logits(hidden, self._rows)[: self.tree.depth]  # (D, V or V')
-        if self._k == 1:
-            top = mx.argmax(logits, axis=-1, keepdims=True)
-        else:
-            part = mx.argpartition(-logits, kth=self._k - 1, axis=-1)[:, : self._k]  # (D, k) unordered
-            order = mx.argsort(-mx.take_along_axis(logits, part, axis=-1), axis=-1)
-            top = mx.take_along_axis(part, order, axis=-1)  # (D, k), best first
-        top = top[self._head_idx, self._rank_idx]
+        top = _topk(logits, self._k)[self._head_idx, self._rank_idx]
         return (top if self._ids is None else self._ids[top]).astype(mx.int32)
+
+    def _draft_conditioned(self, hidden, root: int) -> mx.array:
+        heads, out = self.model.heads, []
+        state = hidden.astype(mx.float32)[None]  # (1, H): level 0 is the root
+        toks = mx.array([root], dtype=mx.int32)
+        for d, (k, prow, crow, rank) in enumerate(self._levels, start=1):
+            s = heads.step(d, state[prow], self.model.embed(toks[prow]))  # (n_parents, H)
+            top = _topk(self.model.project(s, self._rows), k)  # (n_parents, k)
+            toks = top[crow, rank]
+            if self._ids is not None:
+                toks = self._ids[toks]
+            toks = toks.astype(mx.int32)
+            state = s[crow]
+            out.append(toks)
+        return mx.concatenate(out)
 
 
 class OracleDrafter:

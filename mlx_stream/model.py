@@ -53,19 +53,28 @@ class SpeculativeModel(nn.Module):
         n = getattr(self.backbone.args, "max_position_embeddings", None)
         return int(n) if n else None
 
-    def head_logits(self, hidden: mx.array, rows: mx.array | None = None) -> mx.array:
+    def embed(self, tokens: mx.array) -> mx.array:
+        """The backbone's (frozen) input embeddings: int ``(...)`` -> float32 ``(..., H)``."""
+        return self.backbone.model.embed_tokens(tokens).astype(mx.float32)
+
+    def project(self, hidden: mx.array, rows: mx.array | None = None) -> mx.array:
+        """Logits of head outputs ``(..., H)`` through the frozen output projection, or only
+        its ``rows`` ``(V', H)`` (a reduced draft vocabulary): ``(..., V)`` or ``(..., V')``."""
+        return self.family.project(self.backbone, hidden) if rows is None else hidden @ rows.T
+
+    def head_logits(self, hidden: mx.array, rows: mx.array | None = None, path: mx.array | None = None) -> mx.array:
         """Stream-head logits at hidden states: ``(..., H)`` -> ``(K, ..., V)``.
 
         Args:
             rows: ``(V', H)`` output-projection rows to score (a reduced draft
                 vocabulary); ``None`` uses the backbone's whole output projection.
+            path: int ``(..., K)`` tokens ``x_{t+1..t+K}`` on the path (needed by
+                path-conditioned "hydra" heads; ignored by residual heads).
 
         Raises:
-            ValueError: no heads are attached.
+            ValueError: no heads are attached, or hydra heads without ``path``.
         """
         if self.heads is None:
             raise ValueError("no stream heads attached: load the model with heads=...")
-        hs = self.heads(hidden)
-        if rows is None:
-            return self.family.project(self.backbone, hs)
-        return hs @ rows.T
+        emb = self.embed(path) if path is not None and self.heads.conditioned else None
+        return self.project(self.heads(hidden, emb), rows)

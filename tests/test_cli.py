@@ -85,16 +85,19 @@ def test_wheel_holds_only_mlx_stream(tmp_path):
 
 def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text('{"prompt": "The quick brown fox"}\n{"prompt": "heads, trees!"}\n'
-                    '{"text": "Speculative decoding drafts tokens"}\n')
+    data.write_text('{"prompt": "The quick brown fox"}\n{"prompt": "heads, trees!"}\n{"prompt": "0123 café"}\n'
+                    '{"prompt": "drafts"}\n{"text": "Speculative decoding drafts tokens"}\n')
     out = tmp_path / "run"
-    args = ["train", "--model", str(tiny_dir), "--out", str(out), "--data", str(data), "--max-tokens", "12",
+    args = ["train", "--model", str(tiny_dir), "--out", str(out), "--data", str(data), "--max-tokens", "12", "--workers", "2",
             "--epochs", "2", "--batch-size", "8"]
     r = run(*args)
     assert r.returncode == 0, r.stderr
     assert (out / "heads" / "heads.safetensors").is_file() and (out / "report.json").is_file()
     report = json.loads((out / "report.json").read_text())
     assert len(report["valid"]["top1"]) == 3 and "chain" in report["valid"]["tau"]
+    rows = [json.loads(line) for line in (out / "data" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and sum(r["prompt"] == "" for r in rows) == 1  # raw text kept, prompts distilled
+    assert not (out / "features" / "train.parts").exists() and report["architecture"] == "hydra"
     r = run(*args)
     assert r.returncode == 2 and "--resume" in r.stderr
     r = run(*args, "--resume")  # every stage is found on disk and reused

@@ -49,6 +49,15 @@ def test_greedy_identity_with_drafters(tiny_ref, tree):
                 assert all(r.accepted == K for r in rs[1:-1])
 
 
+@pytest.mark.parametrize("tree", [chain(K), sparse(K)])
+def test_greedy_identity_with_random_hydra_heads(tiny_ref, tree):
+    model, tok, refs = tiny_ref
+    model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=4, architecture="hydra")
+    for ids, ref in refs:
+        got, _ = ours(model, tok, ids, 48, tree=tree)
+        assert_greedy_identical(model, ids, got, ref)
+
+
 def test_eos_at_every_offset_inside_a_chunk(tiny_ref):
     model, tok, refs = tiny_ref
     ids, ref = refs[0]

@@ -45,17 +45,21 @@ def _cycle_features(model, tmp_path, name="f"):
     return build_features_from_ids(model, seqs, tmp_path / name, K, dtype="float32")
 
 
-def test_each_head_learns_its_own_offset(tiny, tmp_path):
+@pytest.mark.parametrize("arch,kl", [("residual", 0.0), ("hydra", 0.0), ("hydra", 0.5)])
+def test_each_head_learns_its_own_offset(tiny, tmp_path, arch, kl):
     model, tok = tiny
     feats = _cycle_features(model, tmp_path)
-    heads = new_heads(model.backbone, tok, K)
-    cfg = TrainConfig(num_heads=K, epochs=60, batch_size=64, lr=3e-3, warmup=10, checkpoint_every=0)
+    heads = new_heads(model.backbone, tok, K, architecture=arch)
+    cfg = TrainConfig(num_heads=K, epochs=60, batch_size=64, lr=3e-3, warmup=10, checkpoint_every=0, kl_weight=kl)
     report = train_heads(model, heads, feats, tmp_path / "run", cfg, valid=feats, progress=False)
     assert min(report["valid"]["top1"]) > 0.97, report["valid"]
     # the offsets, checked without the training code's targets: head j at t -> x[t+1+j]
     seq = (CYCLE * 12)[3:63]
     hidden = model.family.prefill_hidden(model.backbone, mx.array(seq), make_prompt_cache(model.backbone))
-    pred = np.array(mx.argmax(model.family.project(model.backbone, heads(hidden)), axis=-1))  # (K, L)
+    # hydra heads read the true path x[t+1..t+K] (teacher forcing); residual heads ignore it
+    path = np.array([[(seq + [0] * K)[t + i] for i in range(1, K + 1)] for t in range(len(seq))])
+    emb = model.embed(mx.array(path)) if arch == "hydra" else None
+    pred = np.array(mx.argmax(model.project(heads(hidden, emb)), axis=-1))  # (K, L)
     for j in range(1, K + 1):
         t = np.arange(len(seq) - 1 - j)
         assert (pred[j - 1, t] == np.array(seq)[t + 1 + j]).mean() > 0.97, j
@@ -63,17 +67,20 @@ def test_each_head_learns_its_own_offset(tiny, tmp_path):
     load_heads(tmp_path / "run" / "heads", heads.config.fingerprint)
 
 
-def test_backbone_frozen_and_every_head_gets_gradient(tiny, tmp_path):
+@pytest.mark.parametrize("arch", ["residual", "hydra"])
+def test_backbone_frozen_and_every_head_gets_gradient(tiny, tmp_path, arch):
     model, tok = tiny
     feats = _cycle_features(model, tmp_path)
     before = {k: np.array(v) for k, v in tree_flatten(model.backbone.parameters())}
-    heads = new_heads(model.backbone, tok, K)
+    heads = new_heads(model.backbone, tok, K, architecture=arch)
     import mlx.nn as nn
 
     h, t = mx.array(np.asarray(feats.hidden[:32])), mx.array(np.asarray(feats.targets[:32]))
-    _, grads = nn.value_and_grad(heads, lambda a, b: stream_loss(model, heads, a, b, head_weights(K)))(h, t)
+    _, grads = nn.value_and_grad(
+        heads, lambda a, b: stream_loss(model, heads, a, b, head_weights(K), path=b[:, :K]))(h, t)
+    out_weight = "linear.weight" if arch == "residual" else "out.weight"
     for j in range(K):
-        g = dict(tree_flatten(grads))[f"heads.{j}.0.linear.weight"]
+        g = dict(tree_flatten(grads))[f"heads.{j}.0.{out_weight}"]
         assert float(mx.abs(g).max()) > 0, f"head {j + 1} receives no gradient"
     cfg = TrainConfig(num_heads=K, epochs=3, batch_size=32, checkpoint_every=0)
     train_heads(model, heads, feats, tmp_path / "run", cfg, progress=False)
@@ -130,3 +137,96 @@ def test_reduced_draft_vocab_learns_and_drafts(tiny, tmp_path):
     seq = (CYCLE * 3)[:10]
     h = model.family.prefill_hidden(model.backbone, mx.array(seq), make_prompt_cache(model.backbone))[-1]
     assert np.array(d.draft(h, seq)).tolist() == (CYCLE * 3)[11:14]
+
+
+def test_hydra_drafter_conditions_each_child_on_its_own_path(tiny):
+    """Tree node (1, 0) is head 2's top-1 after the rank-1 token of depth 1, not after
+    the rank-0 token: each subtree is drafted from its own path."""
+    from mlx_stream import HeadsDrafter
+    from mlx_stream.tree import sparse
+
+    model, tok = tiny
+    model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=4, architecture="hydra")
+    tree = sparse(K)
+    seq = tok.encode("drafting along a path")
+    h = model.family.prefill_hidden(model.backbone, mx.array(seq), make_prompt_cache(model.backbone))[-1]
+    got = np.array(HeadsDrafter(model, tree).draft(h, seq))
+    node = {c: int(got[i]) for i, c in enumerate(tree.choices)}
+    heads, emb = model.heads, model.embed
+    s1 = heads.step(1, h[None], emb(mx.array([seq[-1]])))
+    top1 = np.argsort(-np.array(model.project(s1))[0])
+    assert [node[(0,)], node[(1,)]] == top1[:2].tolist()
+    want = [int(mx.argmax(model.project(heads.step(2, s1, emb(mx.array([node[(r,)]]))))[0])) for r in (0, 1)]
+    assert want[0] != want[1], "the test needs heads whose depth-2 choice depends on the path"
+    assert [node[(0, 0)], node[(1, 0)]] == want
+
+
+def test_batched_generation_is_plain_greedy_and_keeps_the_hidden_states(tiny):
+    """Continuous batching (batch 2 over 5 prompts forces refills and row drops) gives
+    mlx-lm's greedy tokens, and the kept hidden states are the prefill's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import assert_greedy_identical, mlx_lm_greedy
+
+    from mlx_stream.train.generation import generate_batch
+
+    model, tok = tiny
+    prompts = [tok.encode(p) for p in ["The quick brown fox", "a", "heads, trees! 0123", "café", "drafts"]]
+    eos = tok.eos_token_ids
+    out = dict(generate_batch(model, prompts, 20, eos_ids=eos, keep_hidden=True, batch_size=2))
+    assert sorted(out) == list(range(5))
+    for i, ids in enumerate(prompts):
+        g = out[i]
+        ref = mlx_lm_greedy(model, tok, ids, 20)
+        assert_greedy_identical(model, ids, [t for t in g.tokens if t not in eos], ref)
+        assert g.finish_reason == ("stop" if g.tokens[-1] in eos else "length")
+        seq = ids + g.tokens
+        h = model.family.prefill_hidden(model.backbone, mx.array(seq), make_prompt_cache(model.backbone))
+        np.testing.assert_allclose(g.hidden.astype(np.float32), np.array(h[len(ids) - 1 : len(seq) - 1]),
+                                   atol=2e-2, rtol=1e-2)  # float16 storage
+    with pytest.raises(ValueError, match="at least one token"):
+        list(generate_batch(model, [[]], 4))
+
+
+def test_feature_writer_resumes_after_a_kill(tmp_path):
+    from mlx_stream.train.features import FeatureWriter
+
+    rng = np.random.default_rng(0)
+    seqs = [(rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, 9, size=(n, 3)).astype(np.int32))
+            for n in (3, 5, 2)]
+    w = FeatureWriter(tmp_path / "f", 4, 2, dtype="float32")
+    for i, (h, t) in enumerate(seqs[:2]):
+        w.add(h, t, {"index": i})
+    # killed while writing the third sequence: hidden and row bytes written, no length
+    w._files["hidden.bin"].write(seqs[2][0].tobytes()[:20])
+    w._files["rows.jsonl"].write(b'{"ind')
+    w.close()
+    assert not (tmp_path / "f").exists()
+    w = FeatureWriter(tmp_path / "f", 4, 2, dtype="float32", resume=True)
+    assert w.sequences == 2 and w.rows == [{"index": 0}, {"index": 1}]
+    w.add(*seqs[2], {"index": 2})
+    feats = w.finish()
+    assert len(feats) == 10 and feats.meta["sequences"] == 3 and not (tmp_path / "f.partial").exists()
+    np.testing.assert_array_equal(np.asarray(feats.hidden), np.concatenate([h for h, _ in seqs]))
+    np.testing.assert_array_equal(np.asarray(feats.targets), np.concatenate([t for _, t in seqs]))
+    with pytest.raises(ValueError, match="delete it to rebuild"):
+        FeatureWriter(tmp_path / "g", 4, 2, dtype="float32").close()
+        FeatureWriter(tmp_path / "g", 8, 2, dtype="float32", resume=True)
+
+
+def test_kl_term_uses_the_backbone_distribution_at_t_plus_j(tiny):
+    """With heads that reproduce the backbone's state at t+j exactly, the KL term is 0;
+    with other heads it is positive."""
+    from mlx_stream.train.loss import stream_loss
+
+    model, tok = tiny
+    heads = new_heads(model.backbone, tok, 1)  # zero-init residual: q_1 = p(. | h_t)
+    h = mx.random.normal((6, model.args.hidden_size))
+    t = mx.array([[1, 2]] * 6, dtype=mx.int32)
+    w = head_weights(1)
+    base, _ = stream_loss(model, heads, h, t, w)
+    same, _ = stream_loss(model, heads, h, t, w, teacher=h[:, None], kl_weight=1.0)
+    other, _ = stream_loss(model, heads, h, t, w, teacher=mx.random.normal((6, 1, model.args.hidden_size)), kl_weight=1.0)
+    assert abs(float(same) - float(base)) < 1e-4 and float(other) > float(base) + 1e-3

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -110,66 +111,67 @@ def user_prefix(tokenizer) -> str:
     return text[: text.index(_SENTINEL)]
 
 
-def _batched(items: Sequence, n: int):
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
-
-
 def synthesize_prompts(model, tokenizer, n: int, seed: int = 0, max_tokens: int = 96,
-                       temp: float = 1.0, top_p: float = 0.95, batch_size: int = 32,
-                       exclude: Iterable[str] = ()) -> list[str]:
+                       temp: float = 1.0, top_p: float = 0.95, batch_size: int = 64,
+                       exclude: Iterable[str] = (), log=None) -> list[str]:
     """Sample ``n`` distinct user prompts from the chat template's user prefix
     (Magpie, Xu et al. 2024, sec. 2.1): the aligned model, shown only the start of a
     user turn, writes a plausible user query. Queries that do not end within
     ``max_tokens``, are shorter than 3 words, or repeat one already kept are dropped.
 
-    Reproducible for a given ``seed`` (MLX's global seed is set from it).
+    Args:
+        model: a :class:`mlx_stream.model.SpeculativeModel`.
+        n: prompts wanted (fewer come back if too many samples are dropped).
+        seed: MLX's global seed is set from it, so the same call gives the same prompts,
+            and the first m prompts of a call for n > m are those of a call for m.
+        log: called with a progress line about once a minute.
+
+    Returns:
+        The prompts, in the order sampled.
     """
     import mlx.core as mx
-    from mlx_lm.generate import batch_generate
     from mlx_lm.sample_utils import make_sampler
+
+    from .generation import generate_batch
 
     prefix = tokenizer.encode(user_prefix(tokenizer), add_special_tokens=False)
     sampler = make_sampler(temp=temp, top_p=top_p)
+    eos = set(tokenizer.eos_token_ids)
     seen = {p.strip().lower() for p in exclude}
     out: list[str] = []
     mx.random.seed(seed)
+    tic, last = time.perf_counter(), 0.0
     rounds = 0
-    while len(out) < n and rounds < 4 * (n // batch_size + 2):
+    while len(out) < n and rounds < 4:
         rounds += 1
-        res = batch_generate(model, tokenizer, [prefix] * batch_size, max_tokens=max_tokens,
-                             sampler=sampler, return_token_ids=True)
-        for text, reason in zip(res.texts, _finish_reasons(res)):
-            q = text.strip()
-            key = q.lower()
-            if reason != "stop" or len(q.split()) < 3 or key in seen:
+        want = max(2 * (n - len(out)), batch_size)
+        # completion order is deterministic too; stop as soon as enough are kept
+        for _, g in generate_batch(model, [prefix] * want, max_tokens, sampler=sampler, eos_ids=eos,
+                                   batch_size=batch_size):
+            q = tokenizer.decode([t for t in g.tokens if t not in eos]).strip()
+            if g.finish_reason != "stop" or len(q.split()) < 3 or q.lower() in seen:
                 continue
-            seen.add(key)
+            seen.add(q.lower())
             out.append(q)
+            if log and (time.perf_counter() - tic - last > 60 or len(out) == n):
+                last = time.perf_counter() - tic
+                log(f"synthesised {len(out)}/{n} prompts in {last:.0f}s")
             if len(out) == n:
                 break
     return out
 
 
-def _finish_reasons(res) -> list[str]:
-    # BatchResponse keeps per-sequence finish reasons in recent mlx-lm; older ones do not
-    reasons = getattr(res, "finish_reasons", None)
-    return list(reasons) if reasons is not None else ["stop"] * len(res.texts)
+def self_distill(model, tokenizer, prompts: Sequence, max_tokens: int = 256, batch_size: int = 32) -> list[dict]:
+    """Greedy completions of ``prompts`` by the frozen backbone (continuous batching).
 
-
-def self_distill(model, tokenizer, prompts: Sequence, max_tokens: int = 256, batch_size: int = 16,
-                 progress=None) -> list[dict]:
-    """Greedy completions of ``prompts`` by the frozen backbone (batched generation).
-
-    Returns rows ``{"prompt": prompt, "completion": text}``; ``progress(k)`` is
-    called after each batch with the number of prompts done.
+    Returns rows ``{"prompt": prompt, "completion": text}`` in the order of ``prompts``.
+    (The training pipeline keeps the hidden states of the same passes; see
+    :func:`mlx_stream.train.pipeline.build_split`.)
     """
-    from mlx_lm.generate import batch_generate
+    from .generation import generate_batch
 
-    rows = []
-    for batch in _batched(list(prompts), batch_size):
-        res = batch_generate(model, tokenizer, [prompt_ids(tokenizer, p) for p in batch], max_tokens=max_tokens)
-        rows += [{"prompt": p, "completion": t} for p, t in zip(batch, res.texts)]
-        if progress:
-            progress(len(rows))
-    return rows
+    eos = set(tokenizer.eos_token_ids)
+    ids = [prompt_ids(tokenizer, p) for p in prompts]
+    done = dict(generate_batch(model, ids, max_tokens, eos_ids=eos, batch_size=batch_size))
+    return [{"prompt": p, "completion": tokenizer.decode([t for t in done[i].tokens if t not in eos])}
+            for i, p in enumerate(prompts)]

@@ -12,11 +12,16 @@ def head_weights(num_heads: int, decay: float = 0.8) -> mx.array:
     return mx.array([decay**j for j in range(num_heads)], dtype=mx.float32)
 
 
-def stream_logits(model, heads, hidden: mx.array, rows: mx.array | None = None) -> mx.array:
+def stream_logits(model, heads, hidden: mx.array, rows: mx.array | None = None,
+                  path: mx.array | None = None) -> mx.array:
     """``hidden`` ``(B, H)`` -> ``(K, B, V)`` logits of each head through the frozen
-    output projection (only its ``rows``, ``(V', H)``, for a reduced draft vocabulary)."""
-    hs = heads(hidden.astype(mx.float32))
-    return model.family.project(model.backbone, hs) if rows is None else hs @ rows.T
+    output projection (only its ``rows``, ``(V', H)``, for a reduced draft vocabulary).
+    ``path``: int ``(B, K)`` tokens ``x_{t+1..t+K}`` (teacher forcing for hydra heads;
+    -1 past the end is embedded as token 0, its label is ignored anyway)."""
+    emb = model.embed(mx.maximum(path, 0)) if heads.conditioned and path is not None else None
+    if heads.conditioned and emb is None:
+        raise ValueError("hydra heads need the path tokens (targets) to compute their logits")
+    return model.project(heads(hidden.astype(mx.float32), emb), rows)
 
 
 def draft_vocab_lut(heads, vocab_size: int) -> mx.array | None:
@@ -30,27 +35,44 @@ def draft_vocab_lut(heads, vocab_size: int) -> mx.array | None:
 
 
 def stream_loss(model, heads, hidden: mx.array, targets: mx.array, weights: mx.array,
-                rows: mx.array | None = None) -> tuple[mx.array, mx.array]:
+                rows: mx.array | None = None, path: mx.array | None = None,
+                teacher: mx.array | None = None, kl_weight: float = 0.0) -> tuple[mx.array, mx.array]:
     """Multi-stream cross-entropy (Speculative Streaming, Bhendawade et al. 2024,
-    eq. 5, with the backbone frozen so the main-stream term is constant).
+    eq. 5, with the backbone frozen so the main-stream term is constant), optionally
+    plus ``kl_weight`` times KL(p || q_j) from the backbone's own next-token
+    distribution p at position t+j (the soft target for x_{t+1+j}; Medusa-2's
+    self-distillation loss, Cai et al. 2024, sec. 2.3.2) to head j's distribution q_j.
 
     Args:
         hidden: ``(B, H)`` final hidden states h_t.
         targets: ``(B, K + 1)`` int32 tokens t+1..t+1+K; column j (j >= 1) is head j's
             label, -1 is ignored.
+        path: int ``(B, K)`` true tokens ``x_{t+1..t+K}`` for hydra heads (teacher
+            forcing); ``targets[:, :K]`` with full-vocabulary ids.
         weights: ``(K,)`` per-head weights.
         rows: for a reduced draft vocabulary, its output-projection rows ``(V', H)``;
             ``targets`` must then hold draft-vocabulary indices (-1 outside it).
+        teacher: ``(B, K, H)`` the backbone's final hidden states at t+1..t+K (free
+            from the feature cache: a sequence's positions are contiguous), needed
+            when ``kl_weight > 0``; over a reduced vocabulary both distributions are
+            renormalised on it.
+        kl_weight: weight of the KL term (0: hard labels only).
 
     Returns:
         ``(loss, correct)``: the scalar weighted mean loss and ``(K, 2)`` counts of
         top-1-correct and valid positions per head.
     """
-    logits = stream_logits(model, heads, hidden, rows)  # (K, B, V)
-    labels = targets[:, 1:].T  # (K, B)
+    K = heads.num_heads
+    logits = stream_logits(model, heads, hidden, rows, path=path)  # (K, B, V)
+    labels = targets[:, 1 : K + 1].T  # (K, B)
     valid = labels >= 0
     ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0), reduction="none")  # (K, B)
     n = mx.maximum(valid.sum(axis=1), 1)
+    if kl_weight > 0:
+        p_logits = model.project(teacher.astype(mx.float32).transpose(1, 0, 2), rows)  # (K, B, V)
+        logp = p_logits - mx.logsumexp(p_logits, axis=-1, keepdims=True)
+        logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        ce = ce + kl_weight * (mx.exp(logp) * (logp - logq)).sum(axis=-1)
     per_head = (ce * valid).sum(axis=1) / n
     loss = (weights * per_head).sum() / weights.sum()
     hit = (mx.argmax(logits, axis=-1) == labels) & valid

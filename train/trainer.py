@@ -37,6 +37,8 @@ class TrainConfig:
         warmup: warm-up optimizer steps.
         weight_decay: AdamW weight decay.
         head_decay: loss weight of head j is ``head_decay**(j-1)``.
+        kl_weight: weight of the KL to the backbone's own distribution (soft targets;
+            0 trains on hard labels only).
         checkpoint_every: optimizer steps between checkpoints (0: only at the end).
         seed: seeds the batch order (one permutation per epoch).
     """
@@ -50,6 +52,7 @@ class TrainConfig:
     warmup: int = 50
     weight_decay: float = 0.0
     head_decay: float = 0.8
+    kl_weight: float = 0.0
     checkpoint_every: int = 200
     seed: int = 0
 
@@ -95,10 +98,11 @@ def evaluate(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank:
     all_ranks = []
     for i in range(0, len(feats), batch_size):
         h = mx.array(np.asarray(feats.hidden[i : i + batch_size]))
-        tg = mx.array(np.asarray(feats.targets[i : i + batch_size, 1 : K + 1])).T  # (K, B)
+        full = mx.array(np.asarray(feats.targets[i : i + batch_size, : K + 1]))
+        tg = full[:, 1:].T  # (K, B)
         if lut is not None:
             tg = mx.where(tg >= 0, lut[mx.maximum(tg, 0)], -1)
-        logits = stream_logits(model, heads, h, rows)  # (K, B, V)
+        logits = stream_logits(model, heads, h, rows, path=full[:, :K])  # (K, B, V)
         true = mx.take_along_axis(logits, mx.maximum(tg, 0)[..., None], axis=-1)
         rank = (logits > true).sum(axis=-1)  # (K, B): how many tokens beat the target
         rank = mx.where((tg >= 0) & (rank < max_rank), rank, -1)
@@ -179,8 +183,8 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
 
     rows, lut = _draft_rows(model, heads), draft_vocab_lut(heads, model.args.vocab_size)
 
-    def loss_fn(h, t):
-        return stream_loss(model, heads, h, t, weights, rows)
+    def loss_fn(h, t, path, teacher):
+        return stream_loss(model, heads, h, t, weights, rows, path=path, teacher=teacher, kl_weight=cfg.kl_weight)
 
     loss_and_grad = nn.value_and_grad(heads, loss_fn)
     ckpt = out_dir / "checkpoint"
@@ -198,10 +202,14 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
         epoch, k = divmod(micro, per_epoch)
         perm = order(epoch)
         idx = np.sort(perm[k * cfg.batch_size : (k + 1) * cfg.batch_size])
-        tg = mx.array(np.asarray(train.targets[idx, : heads.num_heads + 1]))
+        tg = path = mx.array(np.asarray(train.targets[idx, : heads.num_heads + 1]))
         if lut is not None:  # labels as draft-vocabulary indices, -1 (ignored) outside it
             tg = mx.where(tg >= 0, lut[mx.maximum(tg, 0)], -1)
-        return mx.array(np.asarray(train.hidden[idx])), tg
+        teacher = None
+        if cfg.kl_weight > 0:  # h_{t+j}: the next rows of the same sequence (clipped rows are masked out)
+            nxt = np.minimum(idx[:, None] + np.arange(1, heads.num_heads + 1)[None, :], P - 1)
+            teacher = mx.array(np.asarray(train.hidden[nxt.reshape(-1)]).reshape(len(idx), heads.num_heads, -1))
+        return mx.array(np.asarray(train.hidden[idx])), tg, path[:, : heads.num_heads], teacher
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -307,6 +307,7 @@ def train(
     checkpoint_every: int = typer.Option(200, "--checkpoint-every"),
     seed: int = typer.Option(0, "--seed"),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out where it stopped."),
+    tune: bool = typer.Option(True, "--tune/--no-tune", help="Store the draft tree that is fastest on this machine with the heads."),
 ):
     """Train stream heads against the frozen backbone."""
     from mlx_stream.train.pipeline import run
@@ -334,7 +335,7 @@ def train(
     try:
         report = run(model, out, cfg, data=data, synthesize=synthesize, distill=distill, max_tokens=max_tokens,
                      resume=resume, draft_vocab=draft_vocab, architecture=architecture, workers=workers,
-                     gen_batch_size=gen_batch_size)
+                     gen_batch_size=gen_batch_size, tune=tune)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
     v = report.get("valid", {})

@@ -26,6 +26,9 @@ class HeadConfig:
             weights): a reduced draft vocabulary, far cheaper to train and to draft.
         fingerprint: the backbone these heads were trained for (see
             :func:`mlx_stream.heads.backbone_fingerprint`).
+        tree: the draft tree these heads decode with when none is asked for, as rank
+            paths (``"0;1;0,0"``, see :func:`mlx_stream.tree.parse_tree`); empty means
+            the default sparse tree.
     """
 
     num_heads: int
@@ -35,6 +38,7 @@ class HeadConfig:
     num_layers: int = 1
     draft_vocab_size: int = 0
     fingerprint: dict = field(default_factory=dict)
+    tree: str = ""
 
     def __post_init__(self):
         if self.num_layers < 1:

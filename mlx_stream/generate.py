@@ -194,7 +194,8 @@ def stream_generate(
         max_tokens: the most tokens to emit (> 0).
         temp: sampling temperature; 0 is greedy.
         tree: the draft tree when drafting with the model's heads (see
-            :func:`mlx_stream.tree.parse_tree`); ignored without heads.
+            :func:`mlx_stream.tree.parse_tree`); None uses the tree stored with the
+            heads (``HeadConfig.tree``), else the default sparse tree; ignored without heads.
         drafter: a custom :class:`~mlx_stream.drafters.Drafter` (overrides ``tree``).
         stop: stop string(s); output ends before the first occurrence.
         seed: seed for sampling (``temp > 0``).
@@ -222,6 +223,8 @@ def stream_generate(
         )
     if drafter is None:
         if model.heads is not None:
+            if tree is None and model.heads.config.tree:
+                tree = model.heads.config.tree  # the tree these heads were tuned for
             drafter = HeadsDrafter(model, parse_tree(tree, model.heads.num_heads))
         else:
             drafter = NoDrafter()

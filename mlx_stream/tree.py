@@ -138,6 +138,45 @@ def sparse(k: int, widths: Sequence[int] = (2, 1, 1, 1, 1, 1)) -> Tree:
     return build_tree(sorted(choices))
 
 
+def tree_from_ranks(ranks: np.ndarray, size: int) -> tuple[Tree, float]:
+    """The draft tree of at most ``size`` drafted nodes that accepts the most tokens on
+    held-out data, and the tau it implies.
+
+    Greedy tree verification accepts the longest prefix of the true tokens' head
+    ranks ``(r_1, ..., r_d)`` that is a path of the tree, so the accepted length is
+    the number of tree nodes whose path is a prefix of the true rank sequence, and
+    ``tau = 1 + sum over nodes of P(rank prefix = node's path)``: additive over
+    nodes. A child is never more frequent than its parent, so the ``size`` most
+    frequent rank prefixes (parents first on ties) form the optimal tree, using the
+    empirical joint rank statistics rather than independent per-head accuracies
+    (Medusa's tree construction, Cai et al. 2024, sec. 2.1.2, assumes independence).
+    For path-conditioned heads the ranks must be teacher-forced along the true path,
+    which is exactly what drafting sees on every accepted prefix.
+
+    Args:
+        ranks: ``(P, K)`` int, the rank of the true token t+1+j in head j's logits at
+            each held-out position (-1: beyond the ranks measured, or no target).
+        size: the number of non-root nodes allowed (>= 0).
+
+    Returns:
+        ``(tree, tau)``.
+    """
+    counts: dict[Choice, int] = {}
+    for row in np.asarray(ranks):
+        for d in range(len(row)):
+            if row[d] < 0:
+                break
+            key = tuple(int(r) for r in row[: d + 1])
+            counts[key] = counts.get(key, 0) + 1
+    best = sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0]))[: max(size, 0)]
+    return build_tree([c for c, _ in best]), 1.0 + sum(n for _, n in best) / max(len(ranks), 1)
+
+
+def format_tree(tree: Tree) -> str:
+    """The rank-path string of a tree (``"0;1;0,0"``), as :func:`parse_tree` reads it."""
+    return ";".join(",".join(str(r) for r in c) for c in tree.choices)
+
+
 PRESETS = ("none", "chain", "sparse")
 
 

@@ -98,6 +98,10 @@ def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
     rows = [json.loads(line) for line in (out / "data" / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and sum(r["prompt"] == "" for r in rows) == 1  # raw text kept, prompts distilled
     assert not (out / "features" / "train.parts").exists() and report["architecture"] == "hydra"
+    # the heads carry the tree that the held-out ranks and this machine's forward costs chose
+    search = report["tree_search"]
+    cfg = json.loads((out / "heads" / "config.json").read_text())
+    assert cfg["tree"] == search["sizes"][str(search["best"])]["tree"]
     r = run(*args)
     assert r.returncode == 2 and "--resume" in r.stderr
     r = run(*args, "--resume")  # every stage is found on disk and reused

@@ -50,3 +50,25 @@ def test_parse_rejects_too_deep_and_orphans():
         build_tree([(0, 0)])
     with pytest.raises(ValueError, match="invalid tree path"):
         build_tree([(-1,)])
+
+
+def test_tree_from_ranks_is_optimal_and_prefix_closed():
+    import itertools
+
+    import numpy as np
+
+    from mlx_stream.train.trainer import implied_tau
+    from mlx_stream.tree import format_tree, parse_tree, tree_from_ranks
+
+    rng = np.random.default_rng(0)
+    ranks = np.minimum(rng.geometric(0.55, size=(400, 3)) - 1, 3)
+    ranks[rng.random((400, 3)) < 0.1] = -1
+    for size in (1, 3, 5):
+        tree, tau = tree_from_ranks(ranks, size)
+        assert len(tree.choices) == size and tau == pytest.approx(implied_tau(ranks, tree.choices))
+        assert parse_tree(format_tree(tree), 3).choices == tree.choices
+        # no prefix-closed tree of that size does better (exhaustive over small paths)
+        paths = [c for d in (1, 2, 3) for c in itertools.product(range(3), repeat=d)]
+        for cand in itertools.combinations([c for c in paths if len(c) <= 2], size):
+            if all(c[:-1] in cand or len(c) == 1 for c in cand):
+                assert implied_tau(ranks, cand) <= tau + 1e-12

@@ -31,7 +31,7 @@ import numpy as np
 from .data import prompt_ids, read_jsonl, split, synthesize_prompts, to_example, write_jsonl
 from .features import FeatureWriter, load_features, sequence_ids, targets_for
 from .generation import generate_batch
-from .trainer import TrainConfig, train_heads
+from .trainer import TrainConfig, train_heads, tune_tree
 
 
 def _log(msg: str) -> None:
@@ -202,14 +202,16 @@ def choose_draft_vocab(feats, size: int) -> tuple[np.ndarray, float]:
 def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = None, synthesize: int = 512,
         distill: bool = True, max_tokens: int = 256, valid_fraction: float = 0.05, resume: bool = False,
         dtype: str = "float32", progress: bool = True, draft_vocab: int = 0, architecture: str = "hydra",
-        gen_batch_size: int = 32, workers: int = 1) -> dict:
+        gen_batch_size: int = 32, workers: int = 1, tune: bool = True) -> dict:
     """Train stream heads for ``model_spec``; see the module docstring for the layout.
+    With ``tune``, the heads are saved with the draft tree that scores best on the
+    held-out data and this machine's forward costs (:func:`tune_tree`).
 
     Raises:
         ValueError: ``out`` holds a previous run and ``resume`` is False; too few rows;
             an unknown architecture.
     """
-    from mlx_stream.heads import backbone_fingerprint, new_heads
+    from mlx_stream.heads import backbone_fingerprint, new_heads, save_heads
     from mlx_stream.loader import load
     from mlx_stream.tree import chain, sparse
 
@@ -240,11 +242,19 @@ def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = N
         ids, coverage = choose_draft_vocab(feats["train"], draft_vocab)
         _log(f"draft vocabulary: {len(ids)} tokens covering {coverage:.1%} of training targets")
         ids = mx.array(ids)
+    if resume and (out / "heads" / "config.json").is_file() and (out / "report.json").is_file():
+        _log(f"{out / 'heads'} is already trained; delete it (and report.json) to train again")
+        return json.loads((out / "report.json").read_text())
     heads = new_heads(model.backbone, tokenizer, cfg.num_heads, cfg.num_layers, draft_ids=ids,
                       architecture=architecture)
     trees = {"chain": chain(cfg.num_heads).choices, "sparse": sparse(cfg.num_heads).choices}
     report = train_heads(model, heads, feats["train"], out, cfg, valid=feats["valid"], resume=resume,
                          progress=progress, trees=trees)
+    if tune and len(feats["valid"]):
+        report["tree_search"] = tune_tree(model, heads, feats["valid"])
+        best = report["tree_search"]["sizes"][report["tree_search"]["best"]]
+        _log(f"tree for these heads: {best['tree']} (tau {best['tau']:.2f}, cost {best['cost']:.2f})")
+        save_heads(heads, out / "heads")
     report["total_wall_s"] = time.perf_counter() - tic
     report["data_and_features_s"] = data_s
     report["model"] = model_spec

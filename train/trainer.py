@@ -86,13 +86,11 @@ def _draft_rows(model, heads):
     return output_weight(model.backbone)[heads.draft_ids] if heads.config.draft_vocab_size else None
 
 
-def evaluate(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank: int = 10,
-             trees: dict | None = None) -> dict:
-    """Held-out per-head top-1/top-5 accuracy and the tau implied for each tree.
-    Targets outside a reduced draft vocabulary count as misses.
-
-    Returns ``{"top1": [...], "top5": [...], "positions": P, "tau": {name: value}}``.
-    """
+def head_ranks(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank: int = 10) -> np.ndarray:
+    """``(P, K)`` int: the rank of the true token t+1+j in head j's logits at every
+    position of ``feats`` (hydra heads teacher-forced along the true path); -1 when
+    the rank is ``max_rank`` or more, the target is missing, or it lies outside a
+    reduced draft vocabulary."""
     K = heads.num_heads
     rows, lut = _draft_rows(model, heads), draft_vocab_lut(heads, model.args.vocab_size)
     all_ranks = []
@@ -107,7 +105,18 @@ def evaluate(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank:
         rank = (logits > true).sum(axis=-1)  # (K, B): how many tokens beat the target
         rank = mx.where((tg >= 0) & (rank < max_rank), rank, -1)
         all_ranks.append(np.array(rank.T))
-    ranks = np.concatenate(all_ranks) if all_ranks else np.zeros((0, K), dtype=np.int32)
+    return np.concatenate(all_ranks) if all_ranks else np.zeros((0, K), dtype=np.int32)
+
+
+def evaluate(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank: int = 10,
+             trees: dict | None = None) -> dict:
+    """Held-out per-head top-1/top-5 accuracy and the tau implied for each tree.
+    Targets outside a reduced draft vocabulary count as misses.
+
+    Returns ``{"top1": [...], "top5": [...], "positions": P, "tau": {name: value}}``.
+    """
+    K = heads.num_heads
+    ranks = head_ranks(model, heads, feats, batch_size, max_rank)
     valid = np.asarray(feats.targets[:, 1 : K + 1]) >= 0
     n = np.maximum(valid.sum(axis=0), 1)
     out = {
@@ -117,6 +126,29 @@ def evaluate(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank:
     }
     out["tau"] = {name: implied_tau(ranks, choices) for name, choices in (trees or {}).items()}
     return out
+
+
+def tune_tree(model, heads, valid: FeatureCache, max_nodes: int = 15) -> dict:
+    """Choose the draft tree for ``heads`` on this machine: for each size N, the tree of
+    N drafted nodes with the highest held-out tau (:func:`mlx_stream.tree.tree_from_ranks`),
+    scored by tau / c(N + 1), the measured cost of an (N + 1)-token forward relative to
+    a 1-token one. Sets ``heads.config.tree`` to the best.
+
+    Returns ``{"best": N, "sizes": {N: {"tree", "tau", "cost", "speedup_bound"}}}``
+    (``speedup_bound`` = tau / cost: the speedup if drafting were free).
+    """
+    from mlx_stream.bench import forward_cost
+    from mlx_stream.tree import format_tree, tree_from_ranks
+
+    ranks = head_ranks(model, heads, valid)
+    costs = forward_cost(model, sizes=tuple(range(1, max_nodes + 2)), repeats=5)
+    sizes = {}
+    for n in range(max_nodes + 1):
+        tree, tau = tree_from_ranks(ranks, n)
+        sizes[n] = {"tree": format_tree(tree), "tau": tau, "cost": costs[n + 1], "speedup_bound": tau / costs[n + 1]}
+    best = max(sizes, key=lambda n: sizes[n]["speedup_bound"])
+    heads.config.tree = sizes[best]["tree"]
+    return {"best": best, "sizes": sizes}
 
 
 def _schedule(cfg: TrainConfig, total: int):

@@ -355,13 +355,18 @@ def eval_heads(
     tree: Optional[str] = _TREE,
     dtype: str = _DTYPE,
     out: Optional[str] = typer.Option(None, "--out", help="Write the result as JSON to this file."),
+    workers: int = typer.Option(1, "--workers", help="Decoding processes (2 suits a 2-core CPU)."),
 ):
     """Greedy decoding over Spec-Bench first turns: tau overall, per task group and per category."""
     from pathlib import Path
 
-    from mlx_stream.bench import load_spec_bench, tau_by_category
+    from mlx_stream.bench import decode_items_in_processes, load_spec_bench, pool_tau, tau_by_category
+
+    from mlx_stream.loader import default_heads_path
 
     _check_params(max_tokens, 0.0, tree)
+    if workers < 1:
+        _fail(f"--workers must be >= 1, got {workers}")
     path = Path("../shared/data/spec_bench/question.jsonl") if prompts == "spec-bench" else Path(prompts)
     try:
         items = load_spec_bench(path, per_group)
@@ -370,8 +375,16 @@ def eval_heads(
         _fail(str(e))
     if m.heads is None:
         typer.echo("note: no heads loaded; tau will be 1.0", err=True)
-    res = tau_by_category(m, tok, items, max_tokens, tree,
-                          progress=lambda k, s: typer.echo(f"{k}/{len(items)}  tau so far {s['tau']:.3f}", err=True))
+    if workers > 1:
+        spec = None if m.heads is None else (default_heads_path(model) if heads == "auto" else heads)
+        del m, tok
+        try:
+            res = pool_tau(decode_items_in_processes(model, spec, dtype, items, max_tokens, tree, workers))
+        except RuntimeError as e:
+            _fail(str(e))
+    else:
+        res = tau_by_category(m, tok, items, max_tokens, tree,
+                              progress=lambda k, s: typer.echo(f"{k}/{len(items)}  tau so far {s['tau']:.3f}", err=True))
     for key, v in res.items():
         typer.echo(f"{key:28s} tau {v['tau']:.3f}  ({v['prompts']} prompts)")
     if out:

@@ -125,7 +125,7 @@ def test_eval_heads_reports_tau_per_group(tiny_dir, tmp_path):
             for i, c in enumerate(["writing", "coding", "qa", "qa", "rag"])]
     q.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "tau.json"
-    r = run("eval-heads", "--model", str(tiny_dir), "--prompts", str(q), "--max-tokens", "6", "--heads", "none",
+    r = run("eval-heads", "--model", str(tiny_dir), "--prompts", str(q), "--max-tokens", "6", "--heads", "none", "--workers", "2",
             "--out", str(out))
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())

@@ -145,7 +145,7 @@ def tune_tree(model, heads, valid: FeatureCache, max_nodes: int = 15) -> dict:
     sizes = {}
     for n in range(max_nodes + 1):
         tree, tau = tree_from_ranks(ranks, n)
-        sizes[n] = {"tree": format_tree(tree), "tau": tau, "cost": costs[n + 1], "speedup_bound": tau / costs[n + 1]}
+        sizes[n] = {"tree": format_tree(tree) or "none", "tau": tau, "cost": costs[n + 1], "speedup_bound": tau / costs[n + 1]}
     best = max(sizes, key=lambda n: sizes[n]["speedup_bound"])
     heads.config.tree = sizes[best]["tree"]
     return {"best": best, "sizes": sizes}

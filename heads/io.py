@@ -81,8 +81,10 @@ def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed
     return heads
 
 
-def save_heads(heads: StreamHeads, path: str | Path) -> Path:
-    """Write ``config.json`` and ``heads.safetensors`` into the folder ``path``.
+def save_heads(heads: StreamHeads, path: str | Path, dtype: mx.Dtype | None = None) -> Path:
+    """Write ``config.json`` and ``heads.safetensors`` into the folder ``path``, with the
+    floating-point weights stored as ``dtype`` (e.g. ``mx.float16`` to halve the file;
+    :func:`load_heads` casts them back to float32) or as they are.
 
     The folder is written next to its destination and renamed into place, so an
     interrupted save leaves either the old folder or the new one, never half of one.
@@ -93,8 +95,9 @@ def save_heads(heads: StreamHeads, path: str | Path) -> Path:
     os.chmod(tmp, 0o755)
     try:
         (tmp / "config.json").write_text(heads.config.to_json())
-        mx.save_safetensors(str(tmp / "heads.safetensors"), dict(tree_flatten(heads.parameters())),
-                            metadata={"format": "mlx"})
+        weights = {k: v.astype(dtype) if dtype is not None and mx.issubdtype(v.dtype, mx.floating) else v
+                   for k, v in tree_flatten(heads.parameters())}
+        mx.save_safetensors(str(tmp / "heads.safetensors"), weights, metadata={"format": "mlx"})
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -115,6 +118,8 @@ def load_heads(path: str | Path, fingerprint: dict | None = None) -> StreamHeads
         path: the heads folder.
         fingerprint: the backbone's :func:`backbone_fingerprint`; when given, heads
             trained for another backbone are refused.
+
+    The weights are returned as float32 whatever their stored precision.
 
     Raises:
         FileNotFoundError: the folder or one of its files is missing.
@@ -138,6 +143,7 @@ def load_heads(path: str | Path, fingerprint: dict | None = None) -> StreamHeads
     except (RuntimeError, ValueError, OSError) as e:
         raise ValueError(f"{wfile}: not a readable safetensors file ({e})") from e
     heads = StreamHeads(cfg)
+    weights = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     try:
         heads.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

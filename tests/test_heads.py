@@ -68,3 +68,18 @@ def test_fingerprint_ignores_quantisation(real):
     model, tok = real
     q, qtok = load("smollm2-135m-instruct", dtype="quantized")
     assert backbone_fingerprint(q.backbone, qtok) == backbone_fingerprint(model.backbone, tok)
+
+
+def test_hydra_heads_saved_in_float16_load_as_float32(tiny, tmp_path):
+    model, tok = tiny
+    heads = new_heads(model.backbone, tok, 3, scale=0.1, seed=2, architecture="hydra",
+                      draft_ids=mx.arange(10, 40, dtype=mx.int32))
+    save_heads(heads, tmp_path / "h", dtype=mx.float16)
+    stored = mx.load(str(tmp_path / "h" / "heads.safetensors"))
+    assert stored["heads.0.0.inp.weight"].dtype == mx.float16 and stored["draft_ids"].dtype == mx.int32
+    loaded = load_heads(tmp_path / "h")
+    assert loaded.conditioned and loaded.heads[1][0].inp.weight.dtype == mx.float32
+    assert np.array(loaded.draft_ids).tolist() == list(range(10, 40))
+    h = mx.random.normal((2, model.args.hidden_size))
+    path = model.embed(mx.array([[1, 2, 3], [4, 5, 6]]))
+    np.testing.assert_allclose(np.array(loaded(h, path)), np.array(heads(h, path)), atol=2e-2, rtol=1e-2)

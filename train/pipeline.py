@@ -160,6 +160,10 @@ def build_split(model, tokenizer, rows: list[dict], out: Path, name: str, num_he
     needs = [r["prompt"] != "" and (distill or r["completion"] is None) for r in rows]
     todo = [i for i in range(len(rows)) if needs[i]]
     parts_dir = out / "features" / f"{name}.parts"
+    started = {d.name.split(".")[0] for d in parts_dir.glob("*")} if parts_dir.is_dir() else set()
+    if started and len(started) != workers:  # the shares must stay those of the interrupted run
+        _log(f"{name}: resuming with the {len(started)} worker share(s) of the interrupted run")
+        workers = len(started)
     parts = [parts_dir / str(w) for w in range(min(max(workers, 1), len(todo)))]
     shares = [todo[w :: len(parts)] for w in range(len(parts))]
     if len(parts) == 1 or model_spec is None:
@@ -254,7 +258,7 @@ def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = N
         report["tree_search"] = tune_tree(model, heads, feats["valid"])
         best = report["tree_search"]["sizes"][report["tree_search"]["best"]]
         _log(f"tree for these heads: {best['tree']} (tau {best['tau']:.2f}, cost {best['cost']:.2f})")
-        save_heads(heads, out / "heads")
+        save_heads(heads, out / "heads", dtype=mx.float16)
     report["total_wall_s"] = time.perf_counter() - tic
     report["data_and_features_s"] = data_s
     report["model"] = model_spec

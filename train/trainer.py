@@ -279,7 +279,7 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
             if stop_after is not None and step - start_step >= stop_after and step < total_steps:
                 return None
     wall = time.perf_counter() - tic
-    save_heads(heads, out_dir / "heads")
+    save_heads(heads, out_dir / "heads", dtype=mx.float16)  # float16 on disk: half the size
     report = {
         "config": asdict(cfg),
         "steps": total_steps,

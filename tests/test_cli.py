@@ -131,3 +131,16 @@ def test_eval_heads_reports_tau_per_group(tiny_dir, tmp_path):
     res = json.loads(out.read_text())
     assert res["all"]["prompts"] == 5 and res["group:mt-bench"]["prompts"] == 2 and res["group:qa"]["prompts"] == 2
     assert res["all"]["tau"] == pytest.approx(1.0)  # plain decoding: one token per pass
+
+
+def test_train_resume_refuses_a_different_dataset(tiny_dir, tmp_path):
+    """A distillation interrupted on one dataset is not continued on another: the
+    partial parts index into the first dataset's rows."""
+    out = tmp_path / "run"
+    parts = out / "features" / "train.parts"
+    parts.mkdir(parents=True)
+    (parts / "rows.sha256").write_text("0" * 16)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a b c"}\n{"prompt": "d e f"}\n{"prompt": "g h i"}\n')
+    r = run("train", "--model", str(tiny_dir), "--out", str(out), "--data", str(data), "--resume")
+    assert r.returncode == 2 and "different dataset" in r.stderr, r.stderr

@@ -20,6 +20,7 @@ stage is skipped when its output exists, so rerunning the same command
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -160,7 +161,15 @@ def build_split(model, tokenizer, rows: list[dict], out: Path, name: str, num_he
     needs = [r["prompt"] != "" and (distill or r["completion"] is None) for r in rows]
     todo = [i for i in range(len(rows)) if needs[i]]
     parts_dir = out / "features" / f"{name}.parts"
-    started = {d.name.split(".")[0] for d in parts_dir.glob("*")} if parts_dir.is_dir() else set()
+    # the parts index into ``rows``: resuming them is only sound for the very same rows
+    digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+    stamp = parts_dir / "rows.sha256"
+    if stamp.is_file() and stamp.read_text() != digest:
+        raise ValueError(f"{parts_dir}: an interrupted run on a different dataset (other --data, --synthesize or "
+                         f"--seed); rerun it with the same options, or delete {parts_dir} to start this one")
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(digest)
+    started = {d.name.split(".")[0] for d in parts_dir.iterdir() if d.is_dir()}
     if started and len(started) != workers:  # the shares must stay those of the interrupted run
         _log(f"{name}: resuming with the {len(started)} worker share(s) of the interrupted run")
         workers = len(started)

@@ -43,7 +43,7 @@ test: $(VENV)/.installed-test
 # The shipped heads for the default model, from nothing (Magpie prompts, self-distillation,
 # training); resumable: rerun after an interruption. Then copied into the package data.
 HEADS_RUN ?= runs/smollm2-135m-instruct
-HEADS_RECIPE ?= --synthesize 1000 --workers 2 --max-tokens 192 --num-heads 5
+HEADS_RECIPE ?= --synthesize 1000 --workers 2 --max-tokens 192 --num-heads 4 --epochs 2
 heads: setup
 	$(RUN_ENV) $(VENV)/bin/mlx-stream train --out $(HEADS_RUN) --resume $(HEADS_RECIPE)
 	rm -rf mlx_stream/data/heads/smollm2-135m-instruct

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import tempfile
@@ -72,11 +73,14 @@ def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed
     heads = StreamHeads(cfg)
     if draft_ids is not None:
         heads.set_draft_vocab(draft_ids)
+    flat = tree_flatten(heads.trainable_parameters())
+    keys = mx.random.split(mx.random.key(0 if seed is None else seed), len(flat))
     if scale > 0:
-        flat = tree_flatten(heads.trainable_parameters())
-        keys = mx.random.split(mx.random.key(0 if seed is None else seed), len(flat))
         params = [(name, scale * mx.random.normal(p.shape, key=k)) for (name, p), k in zip(flat, keys)]
-        heads.load_weights(params, strict=False)
+    else:  # nn.Linear's default init for what is not zero-initialised, but from ``seed``, not the global RNG
+        params = [(name, p if not p.any() else mx.random.uniform(-1, 1, p.shape, key=k) / math.sqrt(p.shape[-1]))
+                  for (name, p), k in zip(flat, keys)]
+    heads.load_weights(params, strict=False)
     mx.eval(heads.parameters())
     return heads
 

@@ -1,6 +1,7 @@
 """Lossless greedy decoding on the real default model (SmolLM2-135M-Instruct, float32):
-with random heads, an oracle drafter and a drafter wrong at every depth, the output
-equals plain mlx-lm's greedy output token for token, 20 prompts x 128 tokens."""
+with the shipped trained heads (their own tree), random heads, an oracle drafter and a
+drafter wrong at every depth, the output equals plain mlx-lm's greedy output token for
+token, 20 prompts x 128 tokens."""
 
 from pathlib import Path
 
@@ -18,6 +19,18 @@ from mlx_stream.bench import load_prompts
 PROMPTS = load_prompts(Path(mlx_stream.__file__).parent / "data" / "prompts.jsonl")
 MAX_TOKENS = 128
 K = 3
+SHIPPED_MIN_TAU = 1.3  # every built-in prompt measured well above this with the shipped heads
+
+
+@pytest.fixture(scope="module")
+def shipped_heads(real):
+    from mlx_stream.heads import backbone_fingerprint, load_heads
+    from mlx_stream.loader import default_heads_path
+
+    model, tok = real
+    path = default_heads_path("smollm2-135m-instruct")
+    assert path is not None, "the package ships heads for the default model"
+    return load_heads(path, backbone_fingerprint(model.backbone, tok))  # refuses another backbone
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +41,18 @@ def random_heads(real):
 
 @pytest.mark.real
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
-def test_greedy_identity_real(real, random_heads, i):
+def test_greedy_identity_real(real, shipped_heads, random_heads, i):
     model, tok = real
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i]}], add_generation_prompt=True)
     ref = mlx_lm_greedy(model, tok, ids, MAX_TOKENS)
     assert len(ref) == MAX_TOKENS, "the prompts are chosen to give answers of at least 128 tokens"
     V = model.args.vocab_size
     try:
+        model.heads = shipped_heads
+        got, rs = ours(model, tok, ids, MAX_TOKENS)  # the tree stored with the heads
+        assert_greedy_identical(model, ids, got, ref)
+        print(f"shipped heads: prompt {i} tau {rs[-1].tau:.2f}")  # visible with pytest -s
+        assert rs[-1].tau > SHIPPED_MIN_TAU, f"trained heads accept too little: tau {rs[-1].tau:.2f}"
         model.heads = random_heads
         got, _ = ours(model, tok, ids, MAX_TOKENS, tree=sparse(K))
         assert_greedy_identical(model, ids, got, ref)

@@ -52,7 +52,8 @@ def test_each_head_learns_its_own_offset(tiny, tmp_path, arch, kl):
     heads = new_heads(model.backbone, tok, K, architecture=arch)
     cfg = TrainConfig(num_heads=K, epochs=60, batch_size=64, lr=3e-3, warmup=10, checkpoint_every=0, kl_weight=kl)
     report = train_heads(model, heads, feats, tmp_path / "run", cfg, valid=feats, progress=False)
-    assert min(report["valid"]["top1"]) > 0.97, report["valid"]
+    # (the KL term pulls toward the random tiny backbone's own distribution, so a little less)
+    assert min(report["valid"]["top1"]) > (0.97 if kl == 0 else 0.9), report["valid"]
     # the offsets, checked without the training code's targets: head j at t -> x[t+1+j]
     seq = (CYCLE * 12)[3:63]
     hidden = model.family.prefill_hidden(model.backbone, mx.array(seq), make_prompt_cache(model.backbone))
@@ -62,7 +63,7 @@ def test_each_head_learns_its_own_offset(tiny, tmp_path, arch, kl):
     pred = np.array(mx.argmax(model.project(heads(hidden, emb)), axis=-1))  # (K, L)
     for j in range(1, K + 1):
         t = np.arange(len(seq) - 1 - j)
-        assert (pred[j - 1, t] == np.array(seq)[t + 1 + j]).mean() > 0.97, j
+        assert (pred[j - 1, t] == np.array(seq)[t + 1 + j]).mean() > (0.97 if kl == 0 else 0.9), j
     # and the heads folder loads back with the fingerprint check
     load_heads(tmp_path / "run" / "heads", heads.config.fingerprint)
 

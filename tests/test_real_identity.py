@@ -19,7 +19,7 @@ from mlx_stream.bench import load_prompts
 PROMPTS = load_prompts(Path(mlx_stream.__file__).parent / "data" / "prompts.jsonl")
 MAX_TOKENS = 128
 K = 3
-SHIPPED_MIN_TAU = 1.3  # every built-in prompt measured well above this with the shipped heads
+SHIPPED_MIN_TAU = 1.1  # broken heads give ~1.0; every built-in prompt measured well above this
 
 
 @pytest.fixture(scope="module")

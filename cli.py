@@ -317,8 +317,11 @@ def train(
         _fail(f"--draft-vocab must be >= 0, got {draft_vocab}")
     from mlx_stream.heads import ARCHITECTURES
 
+    if architecture == "msa":
+        _fail("msa heads train on whole sequences and are not trained by `mlx-stream train`; they are "
+              "compared in benchmarks/compare_heads.py (README: hydra heads are better with a frozen backbone)")
     if architecture not in ARCHITECTURES:
-        _fail(f"unknown --architecture {architecture!r}; use one of: {', '.join(ARCHITECTURES)}")
+        _fail(f"unknown --architecture {architecture!r}; use one of: hydra, residual")
     for name, v in (("--num-heads", num_heads), ("--batch-size", batch_size), ("--grad-accum", grad_accum),
                     ("--max-tokens", max_tokens), ("--num-layers", num_layers), ("--workers", workers),
                     ("--gen-batch-size", gen_batch_size)):

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ARCHITECTURES = ("residual", "hydra")
+ARCHITECTURES = ("residual", "hydra", "msa")
 
 
 @dataclass
@@ -20,12 +20,17 @@ class HeadConfig:
             backbone's frozen output projection).
         architecture: the head architecture (one of :data:`ARCHITECTURES`).
         num_layers: blocks per head (for "hydra", the first is the path-conditioned
-            block and the rest are residual blocks).
+            block and the rest are residual blocks; for "msa", the residual blocks
+            after the streams leave the backbone's top layers).
         draft_vocab_size: 0 for the full vocabulary, else the heads score only this
             many tokens (the most frequent in the training data; ids stored with the
             weights): a reduced draft vocabulary, far cheaper to train and to draft.
         fingerprint: the backbone these heads were trained for (see
             :func:`mlx_stream.heads.backbone_fingerprint`).
+        stream_layers: "msa" only: N_s, the backbone's top layers the streams run
+            through (their inputs are the hidden state entering layer L - N_s).
+        adapter_size: "msa" only: the bottleneck width of the stream-only adapter
+            applied before each of those layers.
         tree: the draft tree these heads decode with when none is asked for, as rank
             paths (``"0;1;0,0"``, see :func:`mlx_stream.tree.parse_tree`); empty means
             the default sparse tree.
@@ -39,12 +44,18 @@ class HeadConfig:
     draft_vocab_size: int = 0
     fingerprint: dict = field(default_factory=dict)
     tree: str = ""
+    stream_layers: int = 2
+    adapter_size: int = 128
 
     def __post_init__(self):
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+        if self.architecture == "msa" and (self.stream_layers < 1 or self.adapter_size < 1):
+            raise ValueError(
+                f"msa heads need stream_layers >= 1 and adapter_size >= 1, got {self.stream_layers}, {self.adapter_size}"
+            )
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in 0..{self.vocab_size}, got {self.draft_vocab_size}")
         if self.architecture not in ARCHITECTURES:

@@ -53,20 +53,27 @@ def backbone_fingerprint(backbone, tokenizer) -> dict:
 
 
 def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed: int | None = None,
-              scale: float = 0.0, draft_ids: mx.array | None = None, architecture: str = "residual") -> StreamHeads:
+              scale: float = 0.0, draft_ids: mx.array | None = None, architecture: str = "residual",
+              stream_layers: int = 2, adapter_size: int = 128) -> StreamHeads:
     """Fresh heads for ``backbone``: their output blocks zero-initialised (``scale=0``,
     so a fresh head repeats the backbone's own prediction), or every weight drawn from
-    N(0, scale^2) (for tests). Carries the backbone fingerprint.
+    N(0, scale^2) (for tests). Carries the backbone fingerprint. ``stream_layers`` and
+    ``adapter_size`` apply to ``"msa"`` heads only (see :class:`HeadConfig`).
 
     Raises:
-        ValueError: an unknown ``architecture`` or ``num_heads``/``num_layers`` < 1.
+        ValueError: an unknown ``architecture``, ``num_heads``/``num_layers`` < 1, or
+            more ``stream_layers`` than the backbone has.
     """
+    if architecture == "msa" and stream_layers > len(backbone.layers):
+        raise ValueError(f"stream_layers={stream_layers} but the backbone has {len(backbone.layers)} layers")
     cfg = HeadConfig(
         num_heads=num_heads,
         hidden_size=int(backbone.args.hidden_size),
         vocab_size=int(backbone.args.vocab_size),
         architecture=architecture,
         num_layers=num_layers,
+        stream_layers=stream_layers,
+        adapter_size=adapter_size,
         draft_vocab_size=0 if draft_ids is None else int(draft_ids.shape[0]),
         fingerprint=backbone_fingerprint(backbone, tokenizer),
     )

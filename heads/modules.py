@@ -45,6 +45,22 @@ class HydraBlock(nn.Module):
         return s + self.out(nn.silu(self.inp(mx.concatenate([s, e.astype(s.dtype)], axis=-1))))
 
 
+class Adapter(nn.Module):
+    """A bottleneck adapter ``x + W_2 SiLU(W_1 x)`` (Houlsby et al. 2019), ``W_2``
+    zero-initialised so a fresh adapter is the identity. Applied to the speculative
+    streams only, so the frozen backbone's main stream is untouched."""
+
+    def __init__(self, hidden_size: int, size: int):
+        super().__init__()
+        self.down = nn.Linear(hidden_size, size)
+        self.up = nn.Linear(size, hidden_size)
+        self.up.weight = mx.zeros_like(self.up.weight)
+        self.up.bias = mx.zeros_like(self.up.bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x + self.up(nn.silu(self.down(x)))
+
+
 class StreamHeads(nn.Module):
     """K stream heads over the backbone's last hidden state, in one of two architectures.
 
@@ -60,12 +76,27 @@ class StreamHeads(nn.Module):
       ``x_{t+1}`` is the backbone's own next token (the tree's root) and ``e`` the
       backbone's frozen input embedding. A draft tree is then filled depth by depth,
       each child conditioned on its own ancestors.
+    * ``"msa"`` (multi-stream attention, Bhendawade et al. 2024, sec. 3.1, with the
+      backbone frozen): stream j starts as ``x_t + P_j + R e(x_{t+1})`` (the hidden
+      state entering layer L - N_s, a learned stream embedding, and, as in Hydra, the
+      projected embedding of the root token x_{t+1}, which is known when drafting) and runs through the backbone's
+      own top N_s layers, each preceded by a stream-only :class:`Adapter`; stream j
+      attends to the main stream's keys/values at positions <= t and to streams
+      1..j at t, at rotary position t + j. The main stream never attends to the
+      streams, so decoding stays lossless. Then the final norm, ``num_layers``
+      residual blocks per stream, and the frozen output projection. The family
+      module's ``stream_hidden`` runs it (the heads hold only their own weights).
     """
 
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
         H, n = config.hidden_size, config.num_layers
+        if config.architecture == "msa":
+            self.streams = mx.zeros((config.num_heads, H))
+            self.root = nn.Linear(H, H, bias=False)  # the root token's embedding into every stream
+            self.root.weight = mx.zeros_like(self.root.weight)
+            self.adapters = [Adapter(H, config.adapter_size) for _ in range(config.stream_layers)]
         if config.architecture == "hydra":
             self.heads = [[HydraBlock(H)] + [ResidualBlock(H) for _ in range(n - 1)] for _ in range(config.num_heads)]
         else:
@@ -94,6 +125,12 @@ class StreamHeads(nn.Module):
         return self.config.num_heads
 
     @property
+    def attends(self) -> bool:
+        """Whether the heads read the top layers' inputs and the KV cache (``"msa"``)
+        rather than one final hidden state."""
+        return self.config.architecture == "msa"
+
+    @property
     def conditioned(self) -> bool:
         """Whether head j needs the path tokens ``x_{t+1..t+j}`` (the ``"hydra"`` heads)."""
         return self.config.architecture == "hydra"
@@ -114,6 +151,8 @@ class StreamHeads(nn.Module):
 
     def __call__(self, h: mx.array, path: mx.array | None = None) -> mx.array:
         """All K heads along one path (teacher forcing in training; a chain in drafting).
+        For ``"msa"`` heads ``h`` is ``(K, ..., H)``, the streams' final normed hidden
+        states from the family's ``stream_hidden``, and head j is applied to stream j.
 
         Args:
             h: ``(..., H)`` final hidden states h_t.
@@ -125,7 +164,9 @@ class StreamHeads(nn.Module):
         """
         outs, s = [], h
         for j in range(1, self.num_heads + 1):
-            if self.conditioned:
+            if self.attends:
+                outs.append(self.step(j, h[j - 1]))
+            elif self.conditioned:
                 if path is None:
                     raise ValueError("hydra heads need the path tokens' embeddings (path=...)")
                 s = self.step(j, s, path[..., j - 1, :])

@@ -21,17 +21,25 @@ class Drafter(Protocol):
 
     Attributes:
         tree: the tree shape this drafter fills (root included).
+        capture: ``None``, or the layer l whose input hidden state (and the KV cache)
+            the drafter reads as well (multi-stream attention heads).
     """
 
     tree: Tree
+    capture: int | None
 
-    def draft(self, hidden: mx.array, tokens: Sequence[int]) -> mx.array:
+    def draft(self, hidden: mx.array, tokens: Sequence[int], mid: mx.array | None = None,
+              cache=None) -> mx.array:
         """Tokens for the tree's non-root nodes.
 
         Args:
             hidden: ``(H,)`` the backbone's final hidden state at the last accepted
                 position (the one whose canonical prediction is the root).
             tokens: every token so far, prompt and output, the root last.
+            mid: ``(H,)`` the hidden state entering layer ``capture`` at that
+                position (only when ``capture`` is set).
+            cache: the KV cache (per layer), holding exactly the positions up to the
+                last accepted one (only when ``capture`` is set).
 
         Returns:
             ``(tree.size - 1,)`` int32 draft tokens in node order (may stay lazy).
@@ -42,10 +50,12 @@ class Drafter(Protocol):
 class NoDrafter:
     """Drafts nothing: one token per forward pass (plain decoding, same loop)."""
 
+    capture = None
+
     def __init__(self):
         self.tree = no_drafts()
 
-    def draft(self, hidden, tokens):
+    def draft(self, hidden, tokens, mid=None, cache=None):
         return mx.zeros((0,), dtype=mx.int32)
 
 
@@ -71,6 +81,11 @@ class HeadsDrafter:
     its token), so siblings' subtrees differ (Hydra, Ankner et al. 2024, sec. 3). One
     small batched head call per depth.
 
+    Multi-stream attention ("msa") heads: the K streams run through the backbone's
+    top layers from the hidden state entering them at the last accepted position,
+    attending to the KV cache (read only), then fill the tree as independent heads
+    do (Bhendawade et al. 2024, sec. 3.1).
+
     Everything stays lazy on the device: no host sync while drafting.
     """
 
@@ -92,6 +107,8 @@ class HeadsDrafter:
         self._head_idx = mx.array(tree.depths[1:] - 1, dtype=mx.int32)
         self._rank_idx = mx.array(tree.ranks[1:], dtype=mx.int32)
         self._levels = self._plan_levels(tree) if model.heads.conditioned else None
+        cfg = model.heads.config
+        self.capture = len(model.backbone.layers) - cfg.stream_layers if model.heads.attends else None
 
     @staticmethod
     def _plan_levels(tree: Tree):
@@ -111,12 +128,18 @@ class HeadsDrafter:
             prev = nodes
         return levels
 
-    def draft(self, hidden, tokens):
+    def draft(self, hidden, tokens, mid=None, cache=None):
         if self.tree.size == 1:
             return mx.zeros((0,), dtype=mx.int32)
         if self._levels is not None:
             return self._draft_conditioned(hidden, tokens[-1])
-        logits = self.model.head_logits(hidden, self._rows)[: self.tree.depth]  # (D, V or V')
+        if self.capture is not None:
+            if mid is None or cache is None:
+                raise ValueError("msa heads draft from the top layers' input and the KV cache (mid=, cache=)")
+            logits = self.model.stream_logits(mid, tokens[-1], cache, self._rows)
+        else:
+            logits = self.model.head_logits(hidden, self._rows)
+        logits = logits[: self.tree.depth]  # (D, V or V')
         top = _topk(logits, self._k)[self._head_idx, self._rank_idx]
         return (top if self._ids is None else self._ids[top]).astype(mx.int32)
 
@@ -160,7 +183,9 @@ class OracleDrafter:
         self.vocab_size = vocab_size
         self.wrong = wrong
 
-    def draft(self, hidden, tokens):
+    capture = None
+
+    def draft(self, hidden, tokens, mid=None, cache=None):
         pos = len(tokens) - self.prompt_len  # index in the continuation of the first draft
         out = []
         for i in range(1, self.tree.size):

@@ -237,8 +237,10 @@ def stream_generate(
     tic = time.perf_counter()
     reused = cache.reuse(ids)
     rest = ids[reused:]
+    cap = getattr(drafter, "capture", None)  # the layer whose input msa heads read
     for i in range(0, len(rest), prefill_step_size):
-        hidden = fam.prefill_hidden(backbone, mx.array(rest[i : i + prefill_step_size]), cache.layers)[-1]
+        out = fam.prefill_hidden(backbone, mx.array(rest[i : i + prefill_step_size]), cache.layers, capture=cap)
+        hidden, mid = (out[0][-1], out[1][-1]) if cap is not None else (out[-1], None)
         mx.eval(hidden, [c.state for c in cache.layers])
     cache.tokens = list(ids)
     logits = fam.project(backbone, hidden)
@@ -272,13 +274,19 @@ def stream_generate(
         # one forward over the tree: verify last step's drafts, draft the next tree
         depth = min(max_tokens - len(emitter.tokens) - 1, room - 1 if room is not None else 1 << 30)
         t = drafter.tree.truncate(depth)
-        drafts = drafter.draft(hidden, tokens)[: t.size - 1]
+        if cap is None:
+            drafts = drafter.draft(hidden, tokens)
+        else:
+            drafts = drafter.draft(hidden, tokens, mid=mid, cache=cache.layers)
+        drafts = drafts[: t.size - 1]
         node_tokens = mx.concatenate([mx.array([y], dtype=mx.int32), drafts.astype(mx.int32)])
         positions = mx.array(start + t.depths, dtype=mx.int32)
         mask = None
         if t.size > 1:
             mask = mx.concatenate([mx.ones((t.size, start), dtype=mx.bool_), mx.array(t.mask)], axis=1)
-        h = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers)  # (N, H)
+        h = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers, capture=cap)  # (N, H)
+        if cap is not None:
+            h, mids = h
         logits = fam.project(backbone, h)  # (N, V)
         if temp == 0:
             targets = mx.argmax(logits, axis=-1)
@@ -293,6 +301,7 @@ def stream_generate(
         keep_path(cache.layers, start, path)
         cache.tokens.extend(node_list[i] for i in path)
         hidden = h[path[-1]]
+        mid = mids[path[-1]] if cap is not None else None
         accepted = len(path) - 1
         chunk = [node_list[i] for i in path[1:]] + [y]
         n_fwd += 1

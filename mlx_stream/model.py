@@ -76,5 +76,33 @@ class SpeculativeModel(nn.Module):
         """
         if self.heads is None:
             raise ValueError("no stream heads attached: load the model with heads=...")
+        if self.heads.attends:
+            raise ValueError("msa heads read the top layers' input and the KV cache: use stream_logits")
         emb = self.embed(path) if path is not None and self.heads.conditioned else None
         return self.project(self.heads(hidden, emb), rows)
+
+    def stream_logits(self, mid: mx.array, root: int, cache, rows: mx.array | None = None) -> mx.array:
+        """Multi-stream attention ("msa") heads' logits at the cache's last position t.
+
+        Args:
+            mid: ``(H,)`` the hidden state entering layer L - N_s at position t.
+            root: the token x_{t+1} (the backbone's own prediction at t).
+            cache: per layer, a KV cache holding positions 0..t (read, not changed).
+            rows: as in :meth:`head_logits`.
+
+        Returns:
+            ``(K, V)`` (or ``(K, V')``): stream j's logits for token t+1+j.
+
+        Raises:
+            ValueError: no heads, or heads that are not "msa".
+        """
+        if self.heads is None or not self.heads.attends:
+            raise ValueError("stream_logits needs msa heads")
+        ns = self.heads.config.stream_layers
+        t = cache[0].offset - 1
+        kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache[-ns:]]
+        x = mid.reshape(1, 1, -1)
+        s = self.family.stream_hidden(self.backbone, self.heads, x, mx.array([[t]]), kv,
+                                      mx.ones((1, 1, t + 1), dtype=mx.bool_),
+                                      mx.array([[root]], dtype=mx.int32))  # (K, 1, 1, H)
+        return self.project(self.heads(s)[:, 0, 0], rows)

@@ -144,3 +144,10 @@ def test_train_resume_refuses_a_different_dataset(tiny_dir, tmp_path):
     data.write_text('{"prompt": "a b c"}\n{"prompt": "d e f"}\n{"prompt": "g h i"}\n')
     r = run("train", "--model", str(tiny_dir), "--out", str(out), "--data", str(data), "--resume")
     assert r.returncode == 2 and "different dataset" in r.stderr, r.stderr
+
+
+def test_train_refuses_msa_and_unknown_architectures(tmp_path, tiny_dir):
+    for arch, msg in (("msa", "compare_heads.py"), ("medusa9", "use one of: hydra, residual")):
+        r = run("train", "--model", str(tiny_dir), "--out", str(tmp_path / arch), "--architecture", arch)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr
+        assert not (tmp_path / arch).exists()

@@ -50,9 +50,11 @@ def test_greedy_identity_with_drafters(tiny_ref, tree):
 
 
 @pytest.mark.parametrize("tree", [chain(K), sparse(K)])
-def test_greedy_identity_with_random_hydra_heads(tiny_ref, tree):
+@pytest.mark.parametrize("arch", ["hydra", "msa"])
+def test_greedy_identity_with_random_conditioned_heads(tiny_ref, tree, arch):
     model, tok, refs = tiny_ref
-    model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=4, architecture="hydra")
+    model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=4, architecture=arch, stream_layers=1,
+                            adapter_size=8)
     for ids, ref in refs:
         got, _ = ours(model, tok, ids, 48, tree=tree)
         assert_greedy_identical(model, ids, got, ref)

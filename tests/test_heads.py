@@ -83,3 +83,62 @@ def test_hydra_heads_saved_in_float16_load_as_float32(tiny, tmp_path):
     h = mx.random.normal((2, model.args.hidden_size))
     path = model.embed(mx.array([[1, 2, 3], [4, 5, 6]]))
     np.testing.assert_allclose(np.array(loaded(h, path)), np.array(heads(h, path)), atol=2e-2, rtol=1e-2)
+
+
+def _mid_and_kv(model, ids, ns):
+    from mlx_lm.models.base import create_attention_mask
+
+    from mlx_stream.models import llama as fam
+
+    inner = model.backbone.model
+    x = inner.embed_tokens(ids[None])
+    mask = create_attention_mask(x, None)
+    for layer in inner.layers[: len(inner.layers) - ns]:
+        x = layer(x, mask, None)
+    return x, fam.main_stream_kv(model.backbone, x, ns)
+
+
+def test_msa_streams_from_the_cache_equal_the_training_pass(tiny):
+    """Decoding reads the KV cache at one position; training runs whole sequences with a
+    causal mask: the streams must agree, and must not see positions after t."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_stream.models import llama as fam
+
+    model, tok = tiny
+    heads = new_heads(model.backbone, tok, 3, scale=0.2, seed=1, architecture="msa", stream_layers=1, adapter_size=8)
+    model.heads = heads
+    ids = mx.array([5, 17, 33, 8, 91, 40, 2, 77])
+    T = ids.shape[0]
+    x, kv = _mid_and_kv(model, ids, 1)
+    ar = mx.arange(T)
+    root = mx.concatenate([ids[1:], mx.array([0])])[None]
+    seq = fam.stream_hidden(model.backbone, heads, x, ar[None], kv, (ar[None, :] <= ar[:, None])[None], root)
+    logits_seq = model.project(heads(seq))  # (K, 1, T, V)
+    # a different future must not change the streams at t
+    ids2 = mx.concatenate([ids[:6], mx.array([3, 3])])
+    x2, kv2 = _mid_and_kv(model, ids2, 1)
+    root2 = mx.concatenate([ids2[1:], mx.array([0])])[None]
+    seq2 = fam.stream_hidden(model.backbone, heads, x2, ar[None], kv2, (ar[None, :] <= ar[:, None])[None], root2)
+    np.testing.assert_allclose(np.array(seq2[:, 0, :5]), np.array(seq[:, 0, :5]), atol=1e-5)
+    for t in (0, 3, 5):
+        cache = make_prompt_cache(model.backbone)
+        model.backbone(ids[None, : t + 1], cache=cache)
+        got = model.stream_logits(x[0, t], int(ids[t + 1]), cache)  # (K, V)
+        np.testing.assert_allclose(np.array(got), np.array(logits_seq[:, 0, t]), atol=1e-4)
+        assert cache[0].offset == t + 1  # read only
+    assert not np.allclose(np.array(logits_seq[0, 0, 5]), np.array(logits_seq[1, 0, 5]))  # streams differ
+
+
+def test_msa_heads_roundtrip_and_config(tiny, tmp_path):
+    model, tok = tiny
+    heads = new_heads(model.backbone, tok, 2, scale=0.1, seed=2, architecture="msa", stream_layers=2, adapter_size=4)
+    save_heads(heads, tmp_path / "h")
+    loaded = load_heads(tmp_path / "h")
+    assert loaded.attends and loaded.config.stream_layers == 2 and loaded.config.adapter_size == 4
+    assert np.array_equal(np.array(loaded.streams), np.array(heads.streams))
+    with pytest.raises(ValueError, match="stream_layers"):
+        new_heads(model.backbone, tok, 2, architecture="msa", stream_layers=len(model.backbone.layers) + 1)
+    with pytest.raises(ValueError, match="stream_logits"):
+        model.heads = loaded
+        model.head_logits(mx.zeros((model.args.hidden_size,)))

@@ -32,23 +32,40 @@ def _attention(attn, x, positions, mask, cache):
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
 
 
-def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache) -> mx.array:
+def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, capture: int | None = None):
     """Final (normed) hidden states of the tree nodes, ``(N, hidden_size)``.
 
     ``mask`` is ``None`` for a single node, else a bool ``(N, S)`` array over the
-    cached prefix plus the tree (S = cache offset + N).
+    cached prefix plus the tree (S = cache offset + N). With ``capture=l`` it returns
+    ``(hidden, x_l)``, ``x_l`` ``(N, hidden_size)`` being the hidden states entering
+    layer ``l`` (what multi-stream attention heads read).
     """
     inner = backbone.model
     h = inner.embed_tokens(tokens[None])  # (1, N, H)
-    for layer, c in zip(inner.layers, cache):
+    mid = None
+    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+        if i == capture:
+            mid = h[0]
         h = h + _attention(layer.self_attn, layer.input_layernorm(h), positions, mask, c)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return inner.norm(h)[0]
+    return inner.norm(h)[0] if capture is None else (inner.norm(h)[0], mid)
 
 
-def prefill_hidden(backbone, tokens: mx.array, cache) -> mx.array:
-    """Final hidden states of a causal prefill, ``(L, hidden_size)`` (mlx-lm's own forward)."""
-    return backbone.model(tokens[None], cache=cache)[0]
+def prefill_hidden(backbone, tokens: mx.array, cache, capture: int | None = None):
+    """Final hidden states of a causal prefill, ``(L, hidden_size)`` (mlx-lm's own
+    forward); with ``capture=l``, ``(hidden, x_l)`` as in :func:`tree_hidden`."""
+    if capture is None:
+        return backbone.model(tokens[None], cache=cache)[0]
+    from mlx_lm.models.base import create_attention_mask
+
+    inner = backbone.model
+    h = inner.embed_tokens(tokens[None])
+    mask = create_attention_mask(h, cache[0])  # as mlx-lm's LlamaModel.__call__
+    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+        if i == capture:
+            mid = h[0]
+        h = layer(h, mask, c)
+    return inner.norm(h)[0], mid
 
 
 def project(backbone, hidden: mx.array) -> mx.array:
@@ -56,3 +73,85 @@ def project(backbone, hidden: mx.array) -> mx.array:
     if getattr(backbone.args, "tie_word_embeddings", False) or not hasattr(backbone, "lm_head"):
         return backbone.model.embed_tokens.as_linear(hidden)
     return backbone.lm_head(hidden)
+
+
+def _stream_attention(attn, s, positions, keys, values, visible):
+    # s: (B, T, K, H) stream inputs (normed); keys/values: (B, Hkv, S, D) main stream
+    B, T, K, _ = s.shape
+    nh, nkv = attn.n_heads, attn.n_kv_heads
+    q = attn.q_proj(s).reshape(B * T * K, nh, 1, -1)
+    k = attn.k_proj(s).reshape(B * T * K, nkv, 1, -1)
+    v = attn.v_proj(s).reshape(B, T, K, nkv, -1)
+    if hasattr(attn, "q_norm"):  # qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q = attn.rope(q, offset=positions).reshape(B, T, K, nh, -1)  # stream j of t sits at t + j
+    k = attn.rope(k, offset=positions).reshape(B, T, K, nkv, -1)
+    D = q.shape[-1]
+    rep = nh // nkv
+    if rep > 1:
+        keys, values = mx.repeat(keys, rep, axis=1), mx.repeat(values, rep, axis=1)
+        k, v = mx.repeat(k, rep, axis=3), mx.repeat(v, rep, axis=3)
+    q = q.transpose(0, 1, 3, 2, 4)  # (B, T, nh, K, D)
+    main = (q.transpose(0, 2, 1, 3, 4).reshape(B, nh, T * K, D) * attn.scale) @ keys.swapaxes(-1, -2)
+    main = main.reshape(B, nh, T, K, -1).transpose(0, 2, 1, 3, 4)  # (B, T, nh, K, S)
+    main = mx.where(visible[:, :, None, None, :], main, -mx.inf)
+    own = (q * attn.scale) @ k.transpose(0, 1, 3, 4, 2)  # (B, T, nh, K, K): stream j sees streams <= j
+    own = mx.where(mx.tril(mx.ones((K, K), dtype=mx.bool_)), own, -mx.inf)
+    S = main.shape[-1]
+    p = mx.softmax(mx.concatenate([main, own], axis=-1).astype(mx.float32), axis=-1).astype(q.dtype)
+    pm = p[..., :S].transpose(0, 2, 1, 3, 4).reshape(B, nh, T * K, S)
+    out = (pm @ values).reshape(B, nh, T, K, D).transpose(0, 2, 1, 3, 4)  # (B, T, nh, K, D)
+    out = out + p[..., S:] @ v.transpose(0, 1, 3, 2, 4)
+    return attn.o_proj(out.transpose(0, 1, 3, 2, 4).reshape(B, T, K, -1))
+
+
+def stream_hidden(backbone, heads, x: mx.array, positions: mx.array, kv, visible: mx.array,
+                  root: mx.array) -> mx.array:
+    """Multi-stream attention through the backbone's top N_s layers (frozen) with the
+    heads' stream embeddings and stream-only adapters (Bhendawade et al. 2024,
+    sec. 3.1); see :class:`mlx_stream.heads.StreamHeads` ("msa").
+
+    Args:
+        x: ``(B, T, H)`` hidden states entering layer L - N_s at the positions that
+            draft (one position at decode time; every position of a sequence batch in
+            training).
+        positions: int ``(B, T)`` the positions t of ``x``.
+        kv: per top layer, ``(keys, values)`` of the main stream, ``(B, Hkv, S, D)``
+            each, rotary embedding applied (from the KV cache, or from a causal pass
+            of the top layers in training).
+        visible: bool ``(B, T, S)``: which main-stream entries position t may attend to
+            (``s <= t`` and not padding).
+        root: int ``(B, T)`` the token x_{t+1} after each position (the tree's root).
+
+    Returns:
+        ``(K, B, T, H)`` the streams' final normed hidden states (stream j predicts
+        token t+1+j).
+    """
+    cfg = heads.config
+    K = cfg.num_heads
+    top = backbone.model.layers[len(backbone.model.layers) - cfg.stream_layers :]
+    B, T, _ = x.shape
+    e = heads.root(backbone.model.embed_tokens(root).astype(x.dtype))  # (B, T, H)
+    s = (x + e)[:, :, None, :] + heads.streams.astype(x.dtype)  # (B, T, K, H)
+    pos = (positions[:, :, None] + mx.arange(1, K + 1)[None, None, :]).reshape(-1)
+    for layer, adapter, (keys, values) in zip(top, heads.adapters, kv):
+        s = adapter(s)
+        s = s + _stream_attention(layer.self_attn, layer.input_layernorm(s), pos, keys, values, visible)
+        s = s + layer.mlp(layer.post_attention_layernorm(s))
+    return backbone.model.norm(s).transpose(2, 0, 1, 3)
+
+
+def main_stream_kv(backbone, x: mx.array, num_layers: int) -> list:
+    """Keys/values of the top ``num_layers`` layers over whole sequences (training):
+    ``x`` ``(B, T, H)`` entering layer L - num_layers, right-padded; returns per layer
+    ``(keys, values)``, ``(B, Hkv, T, D)``, rotary embedding applied (positions 0..T-1),
+    as a KV cache would hold them."""
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    h = x
+    for layer in backbone.model.layers[len(backbone.model.layers) - num_layers :]:
+        c = KVCache()
+        h = layer(h, "causal", c)  # right padding: real positions never see pads
+        out.append((c.keys[..., : x.shape[1], :], c.values[..., : x.shape[1], :]))
+    return out

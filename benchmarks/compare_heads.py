@@ -1,0 +1,125 @@
+"""Compare stream-head architectures on the same self-distilled sequences.
+
+Trains residual (Medusa-1), hydra and multi-stream attention ("msa") heads on the
+same training positions of a finished `mlx-stream train` run folder (its
+data/train.jsonl and data/valid.jsonl), for the same number of epochs, and reports
+per architecture: held-out top-1/top-5 per head, the tau implied by the best 5- and
+15-node trees and by a chain, head parameters, training speed, and the time to
+draft one tree at decode time.
+
+    python benchmarks/compare_heads.py --run runs/smollm2-135m-instruct --sequences 300
+
+(run with OpenBLAS preloaded, as `make` does). Prints a markdown table and writes
+the numbers as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from mlx_stream.drafters import HeadsDrafter
+from mlx_stream.heads import new_heads
+from mlx_stream.loader import load
+from mlx_stream.train.data import read_jsonl
+from mlx_stream.train.features import FeatureCache, targets_for
+from mlx_stream.train.pipeline import choose_draft_vocab
+from mlx_stream.train.streams import sequence_features, stream_ranks, train_stream_heads
+from mlx_stream.train.trainer import TrainConfig, head_ranks, train_heads
+from mlx_stream.tree import format_tree, tree_from_ranks
+
+
+def position_cache(seqs, finals, num_heads):
+    hs = [f[max(s.start - 1, 0) : len(s.ids) - 1] for s, f in zip(seqs, finals)]
+    ts = [targets_for(s.ids, s.start, num_heads) for s in seqs]
+    return FeatureCache(np.concatenate(hs), np.concatenate(ts), {})
+
+
+def draft_ms(model, tok, tree, context: int = 256, repeats: int = 20) -> float:
+    """Median ms to draft ``tree`` once at a cached context of ``context`` tokens."""
+    drafter = HeadsDrafter(model, tree)
+    ids = mx.arange(1, context + 1) % 1000
+    cache = model.make_cache()
+    out = model.family.prefill_hidden(model.backbone, ids, cache, capture=drafter.capture)
+    hidden, mid = (out[0][-1], out[1][-1]) if drafter.capture is not None else (out[-1], None)
+    tokens = ids.tolist() + [7]
+    runs = []
+    for _ in range(repeats + 1):
+        tic = time.perf_counter()
+        mx.eval(drafter.draft(hidden, tokens, mid=mid, cache=cache) if mid is not None else drafter.draft(hidden, tokens))
+        runs.append(time.perf_counter() - tic)
+    return 1e3 * statistics.median(runs[1:])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", default="runs/smollm2-135m-instruct", help="a finished `mlx-stream train` folder")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--sequences", type=int, default=300, help="training sequences used (the first N)")
+    ap.add_argument("--valid-sequences", type=int, default=50)
+    ap.add_argument("--num-heads", type=int, default=4)
+    ap.add_argument("--epochs", type=float, default=1.0)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--stream-layers", type=int, default=2, help="msa: top layers the streams run through")
+    ap.add_argument("--archs", default="residual,hydra,msa")
+    ap.add_argument("--out", default="compare_heads.json")
+    a = ap.parse_args()
+
+    model, tok = load(a.model, dtype="float32")
+    K, layer = a.num_heads, len(model.backbone.layers) - a.stream_layers
+    run = Path(a.run)
+    tic = time.perf_counter()
+    tr_seqs, tr_fin = sequence_features(model, tok, read_jsonl(run / "data" / "train.jsonl")[: a.sequences], layer)
+    va_seqs, va_fin = sequence_features(model, tok, read_jsonl(run / "data" / "valid.jsonl")[: a.valid_sequences], layer)
+    tr, va = position_cache(tr_seqs, tr_fin, K), position_cache(va_seqs, va_fin, K)
+    print(f"features: {len(tr)} training / {len(va)} held-out positions in {time.perf_counter() - tic:.0f}s", flush=True)
+    ids, _ = choose_draft_vocab(tr, a.draft_vocab)
+    ids = mx.array(ids)
+    valid = np.asarray(va.targets[:, 1 : K + 1]) >= 0
+    results = {}
+    for arch in a.archs.split(","):
+        heads = new_heads(model.backbone, tok, K, draft_ids=ids, architecture=arch, stream_layers=a.stream_layers)
+        model.heads = heads
+        tic = time.perf_counter()
+        if arch == "msa":
+            rep = train_stream_heads(model, heads, tr_seqs, epochs=a.epochs)
+            speed = rep["positions_per_s"]
+            ranks = stream_ranks(model, heads, va_seqs)
+        else:
+            cfg = TrainConfig(num_heads=K, epochs=a.epochs, checkpoint_every=0)
+            rep = train_heads(model, heads, tr, Path(a.out).with_suffix("") / arch, cfg, progress=False)
+            speed = rep["tokens_per_s"]
+            ranks = head_ranks(model, heads, va)
+        n = valid.sum(axis=0)
+        tree5, tau5 = tree_from_ranks(ranks, 5)
+        results[arch] = {
+            "train_s": time.perf_counter() - tic,
+            "positions_per_s": speed,
+            "params": sum(v.size for _, v in tree_flatten(heads.trainable_parameters())),
+            "top1": [float(((ranks[:, j] == 0) & valid[:, j]).sum() / n[j]) for j in range(K)],
+            "top5": [float(((ranks[:, j] >= 0) & (ranks[:, j] < 5) & valid[:, j]).sum() / n[j]) for j in range(K)],
+            "tau_chain": tree_from_ranks(np.where(ranks > 0, -1, ranks), K)[1],
+            "tau_5": tau5, "tree_5": format_tree(tree5),
+            "tau_15": tree_from_ranks(ranks, 15)[1],
+            "draft_ms": draft_ms(model, tok, tree5),
+        }
+        print(json.dumps({arch: results[arch]}), flush=True)
+    Path(a.out).write_text(json.dumps({"args": vars(a), "train_positions": len(tr), "valid_positions": len(va),
+                                       "results": results}, indent=2))
+    print("\n| heads | params | train pos/s | top-1 (heads 1..K) | top-5 | tau chain | tau 5-node | tau 15-node | draft ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for arch, r in results.items():
+        print(f"| {arch} | {r['params'] / 1e6:.2f}M | {r['positions_per_s']:.0f} | "
+              f"{' / '.join(f'{x:.2f}' for x in r['top1'])} | {' / '.join(f'{x:.2f}' for x in r['top5'])} | "
+              f"{r['tau_chain']:.2f} | {r['tau_5']:.2f} | {r['tau_15']:.2f} | {r['draft_ms']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

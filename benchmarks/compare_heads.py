@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_stream.drafters import HeadsDrafter
+from mlx_stream.bench import draft_time
 from mlx_stream.heads import new_heads
 from mlx_stream.loader import load
 from mlx_stream.train.data import read_jsonl
@@ -40,22 +39,6 @@ def position_cache(seqs, finals, num_heads):
     hs = [f[max(s.start - 1, 0) : len(s.ids) - 1] for s, f in zip(seqs, finals)]
     ts = [targets_for(s.ids, s.start, num_heads) for s in seqs]
     return FeatureCache(np.concatenate(hs), np.concatenate(ts), {})
-
-
-def draft_ms(model, tok, tree, context: int = 256, repeats: int = 20) -> float:
-    """Median ms to draft ``tree`` once at a cached context of ``context`` tokens."""
-    drafter = HeadsDrafter(model, tree)
-    ids = mx.arange(1, context + 1) % 1000
-    cache = model.make_cache()
-    out = model.family.prefill_hidden(model.backbone, ids, cache, capture=drafter.capture)
-    hidden, mid = (out[0][-1], out[1][-1]) if drafter.capture is not None else (out[-1], None)
-    tokens = ids.tolist() + [7]
-    runs = []
-    for _ in range(repeats + 1):
-        tic = time.perf_counter()
-        mx.eval(drafter.draft(hidden, tokens, mid=mid, cache=cache) if mid is not None else drafter.draft(hidden, tokens))
-        runs.append(time.perf_counter() - tic)
-    return 1e3 * statistics.median(runs[1:])
 
 
 def main():
@@ -108,7 +91,7 @@ def main():
             "tau_chain": tree_from_ranks(np.where(ranks > 0, -1, ranks), K)[1],
             "tau_5": tau5, "tree_5": format_tree(tree5),
             "tau_15": tree_from_ranks(ranks, 15)[1],
-            "draft_ms": draft_ms(model, tok, tree5),
+            "draft_ms": draft_time(model, tree5),
         }
         print(json.dumps({arch: results[arch]}), flush=True)
     Path(a.out).write_text(json.dumps({"args": vars(a), "train_positions": len(tr), "valid_positions": len(va),

@@ -89,6 +89,30 @@ def forward_cost(model, sizes: Sequence[int] = (1, 2, 4, 8, 16), context: int = 
     return {n: times[n] / times[sizes[0]] for n in sizes} | {"t1_ms": times[sizes[0]] * 1e3}
 
 
+def draft_time(model, tree, context: int = 256, repeats: int = 10) -> float:
+    """Median milliseconds for ``model``'s heads to draft ``tree`` once (a
+    :class:`~mlx_stream.drafters.HeadsDrafter` at a cached context of ``context``
+    tokens), evaluation included."""
+    from .drafters import HeadsDrafter
+
+    drafter = HeadsDrafter(model, tree)
+    fam, bb = model.family, model.backbone
+    ids = mx.arange(1, context + 1, dtype=mx.int32) % bb.args.vocab_size
+    cache = model.make_cache()
+    out = fam.prefill_hidden(bb, ids, cache, capture=drafter.capture)
+    hidden, mid = (out[0][-1], out[1][-1]) if drafter.capture is not None else (out[-1], None)
+    tokens = ids.tolist() + [1]
+    runs = []
+    for _ in range(repeats + 1):
+        tic = time.perf_counter()
+        if mid is None:
+            mx.eval(drafter.draft(hidden, tokens))
+        else:
+            mx.eval(drafter.draft(hidden, tokens, mid=mid, cache=cache))
+        runs.append(time.perf_counter() - tic)
+    return 1e3 * statistics.median(runs[1:])
+
+
 def compare(
     model,
     tokenizer,

@@ -107,7 +107,7 @@ def _rows(model, heads):
     return output_weight(model.backbone)[heads.draft_ids] if heads.config.draft_vocab_size else None
 
 
-def train_stream_heads(model, heads, seqs, epochs: float = 1.0, tokens: int = 512, lr: float = 3e-3,
+def train_stream_heads(model, heads, seqs, epochs: float = 1.0, tokens: int = 512, lr: float = 1e-3,
                        warmup: int = 30, head_decay: float = 0.8, seed: int = 0, log=print) -> dict:
     """Train "msa" heads on whole sequences (AdamW, warm-up + cosine; the multi-stream
     cross-entropy of :func:`train.loss.stream_loss`, hard labels). Returns

@@ -131,21 +131,27 @@ def evaluate(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank:
 def tune_tree(model, heads, valid: FeatureCache, max_nodes: int = 15) -> dict:
     """Choose the draft tree for ``heads`` on this machine: for each size N, the tree of
     N drafted nodes with the highest held-out tau (:func:`mlx_stream.tree.tree_from_ranks`),
-    scored by tau / c(N + 1), the measured cost of an (N + 1)-token forward relative to
-    a 1-token one. Sets ``heads.config.tree`` to the best.
+    scored by tau / cost, where cost is the measured time of an (N + 1)-token forward
+    plus drafting that tree with these heads, relative to a 1-token forward (the
+    plain decoding step). Sets ``heads.config.tree`` to the best.
 
-    Returns ``{"best": N, "sizes": {N: {"tree", "tau", "cost", "speedup_bound"}}}``
-    (``speedup_bound`` = tau / cost: the speedup if drafting were free).
+    Returns ``{"best": N, "sizes": {N: {"tree", "tau", "cost", "draft_ms", "speedup_bound"}}}``
+    (``speedup_bound`` = tau / cost: the speedup if the loop had no other overhead).
     """
-    from mlx_stream.bench import forward_cost
+    from mlx_stream.bench import draft_time, forward_cost
+    from mlx_stream.model import SpeculativeModel
     from mlx_stream.tree import format_tree, tree_from_ranks
 
     ranks = head_ranks(model, heads, valid)
     costs = forward_cost(model, sizes=tuple(range(1, max_nodes + 2)), repeats=5)
+    drafting = SpeculativeModel(model.backbone, heads)
     sizes = {}
     for n in range(max_nodes + 1):
         tree, tau = tree_from_ranks(ranks, n)
-        sizes[n] = {"tree": format_tree(tree) or "none", "tau": tau, "cost": costs[n + 1], "speedup_bound": tau / costs[n + 1]}
+        ms = draft_time(drafting, tree) if n else 0.0
+        cost = costs[n + 1] + ms / costs["t1_ms"]
+        sizes[n] = {"tree": format_tree(tree) or "none", "tau": tau, "cost": cost, "draft_ms": ms,
+                    "speedup_bound": tau / cost}
     best = max(sizes, key=lambda n: sizes[n]["speedup_bound"])
     heads.config.tree = sizes[best]["tree"]
     return {"best": best, "sizes": sizes}

@@ -284,9 +284,8 @@ def stream_generate(
         mask = None
         if t.size > 1:
             mask = mx.concatenate([mx.ones((t.size, start), dtype=mx.bool_), mx.array(t.mask)], axis=1)
-        h = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers, capture=cap)  # (N, H)
-        if cap is not None:
-            h, mids = h
+        out = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers, capture=cap)
+        h, mids = out if cap is not None else (out, None)  # (N, H) each
         logits = fam.project(backbone, h)  # (N, V)
         if temp == 0:
             targets = mx.argmax(logits, axis=-1)
@@ -301,7 +300,7 @@ def stream_generate(
         keep_path(cache.layers, start, path)
         cache.tokens.extend(node_list[i] for i in path)
         hidden = h[path[-1]]
-        mid = mids[path[-1]] if cap is not None else None
+        mid = mids[path[-1]] if mids is not None else None
         accepted = len(path) - 1
         chunk = [node_list[i] for i in path[1:]] + [y]
         n_fwd += 1

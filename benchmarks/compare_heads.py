@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_stream.bench import draft_time
+from mlx_stream.bench import draft_times
 from mlx_stream.heads import new_heads
 from mlx_stream.loader import load
 from mlx_stream.train.data import read_jsonl
@@ -91,7 +91,7 @@ def main():
             "tau_chain": tree_from_ranks(np.where(ranks > 0, -1, ranks), K)[1],
             "tau_5": tau5, "tree_5": format_tree(tree5),
             "tau_15": tree_from_ranks(ranks, 15)[1],
-            "draft_ms": draft_time(model, tree5),
+            "draft_ms": draft_times(model, [tree5])[0],
         }
         print(json.dumps({arch: results[arch]}), flush=True)
     Path(a.out).write_text(json.dumps({"args": vars(a), "train_positions": len(tr), "valid_positions": len(va),

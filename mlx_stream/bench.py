@@ -89,28 +89,32 @@ def forward_cost(model, sizes: Sequence[int] = (1, 2, 4, 8, 16), context: int = 
     return {n: times[n] / times[sizes[0]] for n in sizes} | {"t1_ms": times[sizes[0]] * 1e3}
 
 
-def draft_time(model, tree, context: int = 256, repeats: int = 10) -> float:
-    """Median milliseconds for ``model``'s heads to draft ``tree`` once (a
-    :class:`~mlx_stream.drafters.HeadsDrafter` at a cached context of ``context``
-    tokens), evaluation included."""
+def draft_times(model, trees: Sequence, context: int = 256, repeats: int = 10) -> list[float]:
+    """Median milliseconds for ``model``'s heads to draft each tree of ``trees`` once
+    (a :class:`~mlx_stream.drafters.HeadsDrafter` at a cached context of ``context``
+    tokens, prefilled once for all trees), evaluation included."""
     from .drafters import HeadsDrafter
 
-    drafter = HeadsDrafter(model, tree)
     fam, bb = model.family, model.backbone
+    capture = HeadsDrafter(model, trees[0]).capture if trees else None
     ids = mx.arange(1, context + 1, dtype=mx.int32) % bb.args.vocab_size
     cache = model.make_cache()
-    out = fam.prefill_hidden(bb, ids, cache, capture=drafter.capture)
-    hidden, mid = (out[0][-1], out[1][-1]) if drafter.capture is not None else (out[-1], None)
+    out = fam.prefill_hidden(bb, ids, cache, capture=capture)
+    hidden, mid = (out[0][-1], out[1][-1]) if capture is not None else (out[-1], None)
     tokens = ids.tolist() + [1]
-    runs = []
-    for _ in range(repeats + 1):
-        tic = time.perf_counter()
-        if mid is None:
-            mx.eval(drafter.draft(hidden, tokens))
-        else:
-            mx.eval(drafter.draft(hidden, tokens, mid=mid, cache=cache))
-        runs.append(time.perf_counter() - tic)
-    return 1e3 * statistics.median(runs[1:])
+    result = []
+    for tree in trees:
+        drafter = HeadsDrafter(model, tree)
+        runs = []
+        for _ in range(repeats + 1):
+            tic = time.perf_counter()
+            if mid is None:
+                mx.eval(drafter.draft(hidden, tokens))
+            else:
+                mx.eval(drafter.draft(hidden, tokens, mid=mid, cache=cache))
+            runs.append(time.perf_counter() - tic)
+        result.append(1e3 * statistics.median(runs[1:]))
+    return result
 
 
 def compare(

@@ -138,17 +138,17 @@ def tune_tree(model, heads, valid: FeatureCache, max_nodes: int = 15) -> dict:
     Returns ``{"best": N, "sizes": {N: {"tree", "tau", "cost", "draft_ms", "speedup_bound"}}}``
     (``speedup_bound`` = tau / cost: the speedup if the loop had no other overhead).
     """
-    from mlx_stream.bench import draft_time, forward_cost
+    from mlx_stream.bench import draft_times, forward_cost
     from mlx_stream.model import SpeculativeModel
     from mlx_stream.tree import format_tree, tree_from_ranks
 
     ranks = head_ranks(model, heads, valid)
     costs = forward_cost(model, sizes=tuple(range(1, max_nodes + 2)), repeats=5)
     drafting = SpeculativeModel(model.backbone, heads)
+    best_trees = [tree_from_ranks(ranks, n) for n in range(max_nodes + 1)]
+    draft_ms = [0.0] + draft_times(drafting, [tree for tree, _ in best_trees[1:]])
     sizes = {}
-    for n in range(max_nodes + 1):
-        tree, tau = tree_from_ranks(ranks, n)
-        ms = draft_time(drafting, tree) if n else 0.0
+    for n, ((tree, tau), ms) in enumerate(zip(best_trees, draft_ms)):
         cost = costs[n + 1] + ms / costs["t1_ms"]
         sizes[n] = {"tree": format_tree(tree) or "none", "tau": tau, "cost": cost, "draft_ms": ms,
                     "speedup_bound": tau / cost}

@@ -31,7 +31,11 @@ _TREE = typer.Option(
     help="Draft tree: 'sparse' (default), 'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'.",
 )
 _TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
-_SEED = typer.Option(None, "--seed", help="Seed for sampling.")
+_SEED = typer.Option(None, "--seed", help="Seed for sampling: same seed and settings, same output.")
+_TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]; 1 disables it.")
+_TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 disables it.")
+_MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top token's probability; 0 disables it.")
+_REP = typer.Option(None, "--repetition-penalty", help="mlx-lm's repetition penalty (> 0; 1 = none) over the last 20 tokens.")
 _DTYPE = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16 | quantized")
 
 
@@ -40,17 +44,28 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _check_params(max_tokens: int, temp: float, tree: str | None) -> None:
-    """Refuse bad parameters before anything is loaded."""
+def _check_params(max_tokens: int, temp: float, tree: str | None, top_p: float = 1.0, top_k: int = 0,
+                  min_p: float = 0.0, repetition_penalty: float | None = None) -> dict:
+    """Refuse bad parameters before anything is loaded; return the sampling keyword
+    arguments of :func:`mlx_stream.stream_generate`."""
+    import math
+
+    from mlx_lm.sample_utils import make_logits_processors
+
     from mlx_stream.generate import check_generation
+    from mlx_stream.sampling import SamplingParams
     from mlx_stream.tree import parse_tree
 
     try:
-        check_generation(max_tokens, temp)
+        check_generation(max_tokens, SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p))
+        if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+            raise ValueError(f"--repetition-penalty must be a number > 0 (1 = none), got {repetition_penalty}")
         if tree is not None:
             parse_tree(tree, 1 << 10)  # syntax only; the depth is checked against the heads later
     except ValueError as e:
         _fail(str(e))
+    return {"temp": temp, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+            "logits_processors": make_logits_processors(repetition_penalty=repetition_penalty)}
 
 
 def _load(model: str, heads: str, no_heads: bool, dtype: str):
@@ -81,6 +96,10 @@ def generate(
     no_heads: bool = _NO_HEADS,
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (> 0)."),
     temp: float = _TEMP,
+    top_p: float = _TOP_P,
+    top_k: int = _TOP_K,
+    min_p: float = _MIN_P,
+    repetition_penalty: Optional[float] = _REP,
     seed: Optional[int] = _SEED,
     tree: Optional[str] = _TREE,
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
@@ -88,11 +107,12 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     dtype: str = _DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    logprobs: bool = typer.Option(False, "--logprobs", help="With --json: each token's log-probability (as mlx-lm reports it)."),
 ):
     """Generate a completion for one prompt."""
     from mlx_stream.generate import stream_generate
 
-    _check_params(max_tokens, temp, tree)
+    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, repetition_penalty)
     if prompt == "-":
         prompt = sys.stdin.read()
     _blas_hint()
@@ -103,10 +123,11 @@ def generate(
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         ids = tok.encode(text, add_special_tokens=tok.bos_token is None or not text.startswith(tok.bos_token))
-        pieces, tokens, last = [], [], None
-        for last in stream_generate(m, tok, ids, max_tokens=max_tokens, temp=temp, tree=tree, stop=stop, seed=seed):
+        pieces, tokens, lps, last = [], [], [], None
+        for last in stream_generate(m, tok, ids, max_tokens=max_tokens, tree=tree, stop=stop, seed=seed, **sampling):
             pieces.append(last.text)
             tokens.extend(last.tokens)
+            lps.extend(last.logprobs)
             if not as_json:
                 typer.echo(last.text, nl=False)
     except (ValueError, FileNotFoundError) as e:
@@ -118,7 +139,7 @@ def generate(
             "forward_passes": last.forward_passes, "tau": round(last.tau, 4),
             "prompt_tps": round(last.prompt_tps, 2), "generation_tps": round(last.generation_tps, 2),
             "peak_memory_gb": round(last.peak_memory, 4), "heads": m.heads is not None,
-        }))
+        } | ({"logprobs": lps} if logprobs else {})))
     else:
         typer.echo(
             f"\n[{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, tau {last.tau:.2f}, "
@@ -134,6 +155,10 @@ def chat(
     no_heads: bool = _NO_HEADS,
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply."),
     temp: float = _TEMP,
+    top_p: float = _TOP_P,
+    top_k: int = _TOP_K,
+    min_p: float = _MIN_P,
+    repetition_penalty: Optional[float] = _REP,
     seed: Optional[int] = _SEED,
     tree: Optional[str] = _TREE,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
@@ -142,7 +167,7 @@ def chat(
     """Multi-turn chat; the KV cache is reused across turns. /reset clears, /exit quits."""
     from mlx_stream.generate import PromptCache, stream_generate
 
-    _check_params(max_tokens, temp, tree)
+    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, repetition_penalty)
     _blas_hint()
     try:
         m, tok = _load(model, heads, no_heads, dtype)
@@ -180,8 +205,8 @@ def chat(
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         reply, last = [], None
         try:
-            for last in stream_generate(m, tok, prompt, max_tokens=max_tokens, temp=temp, tree=tree,
-                                        seed=seed, prompt_cache=cache):
+            for last in stream_generate(m, tok, prompt, max_tokens=max_tokens, tree=tree,
+                                        seed=seed, prompt_cache=cache, **sampling):
                 reply.append(last.text)
                 typer.echo(last.text, nl=False)
         except KeyboardInterrupt:
@@ -229,9 +254,15 @@ def bench(
     max_tokens: int = typer.Option(128, "--max-tokens"),
     tree: Optional[str] = _TREE,
     dtype: str = _DTYPE,
+    temp: float = _TEMP,
+    top_p: float = _TOP_P,
+    top_k: int = _TOP_K,
+    min_p: float = _MIN_P,
+    seed: int = typer.Option(0, "--seed", help="Prompt i is sampled with seed + i (both sides)."),
     out: Optional[str] = typer.Option(None, "--out", help="Write report.json into this folder."),
 ):
-    """Greedy side-by-side against plain mlx-lm (same weights, one process, interleaved)."""
+    """Side-by-side against plain mlx-lm (same weights, one process, interleaved);
+    greedy by default (identity checked), or sampled with the same settings."""
     from pathlib import Path
 
     from mlx_stream import OracleDrafter
@@ -241,6 +272,10 @@ def bench(
 
     if drafter not in ("heads", "oracle"):
         _fail(f"unknown drafter {drafter!r}: use heads or oracle")
+    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p)
+    sampling.pop("logits_processors")
+    if drafter == "oracle" and temp > 0:
+        _fail("--drafter oracle drafts the greedy output: use it with --temp 0")
     try:
         check = parse_tree(tree, 1 << 10) if tree is not None else None
         groups = None
@@ -269,12 +304,14 @@ def bench(
     show = lambda r: typer.echo(  # noqa: E731
         f"prompt {r.prompt:3d}: {r.tokens:4d} tokens  plain {r.plain_tps:6.1f} tok/s  "
         f"mlx-stream {r.spec_tps:6.1f} tok/s  x{r.speedup:.2f}  tau {r.tau:.2f}  "
-        f"{'identical' if r.identical else 'DIFFERENT'}")
-    res = summary(compare(m, tok, texts, max_tokens, make_drafter=make, tree=tree, progress=show), groups)
+        f"{'sampled' if r.identical is None else 'identical' if r.identical else 'DIFFERENT'}")
+    res = summary(compare(m, tok, texts, max_tokens, make_drafter=make, tree=tree, progress=show,
+                          sampling=sampling, seed=seed), groups)
     res.update({"model": model, "drafter": drafter, "tree": tree, "dtype": dtype, "max_tokens": max_tokens,
+                "sampling": sampling, "seed": seed,
                 "openblas": openblas_loaded(), "forward_cost": {str(k): v for k, v in cost.items()}})
     typer.echo(f"median speedup x{res['median_speedup']:.2f}, median tau {res['median_tau']:.2f}, "
-               f"identical {res['identical']}/{res['prompts']}, plain {res['median_plain_tps']:.1f} tok/s, "
+               f"identical {res['identical'] if res['identical'] is not None else 'n/a'}/{res['prompts']}, plain {res['median_plain_tps']:.1f} tok/s, "
                f"mlx-stream {res['median_spec_tps']:.1f} tok/s")
     for g, v in res.get("per_group", {}).items():
         typer.echo(f"  {g:16s} speedup x{v['median_speedup']:.2f}  tau {v['median_tau']:.2f}  ({v['prompts']} prompts)")

@@ -25,7 +25,7 @@ class PromptResult:
     plain_tps: float
     spec_tps: float
     tau: float
-    identical: bool
+    identical: bool | None  # None when sampling (outputs differ by chance)
 
     @property
     def speedup(self) -> float:
@@ -125,17 +125,30 @@ def compare(
     make_drafter: Callable | None = None,
     tree=None,
     progress: Callable[[PromptResult], None] | None = None,
+    sampling: dict | None = None,
+    seed: int = 0,
 ) -> list[PromptResult]:
-    """Greedy decoding of each prompt (through the chat template) by plain
+    """Decoding of each prompt (through the chat template) by plain
     ``mlx_lm.stream_generate`` and by :func:`mlx_stream.stream_generate`, interleaved.
 
     Args:
         make_drafter: ``f(prompt_ids, reference_tokens) -> Drafter`` (e.g. the
             oracle); ``None`` drafts with the model's heads and ``tree``.
+        sampling: ``temp``, ``top_p``, ``top_k``, ``min_p`` (greedy when absent or
+            ``temp == 0``): plain mlx-lm samples with ``make_sampler`` of the same
+            settings, seeded with ``seed + i`` for prompt i, as is mlx-stream.
+            Identity is checked only when greedy.
     """
     import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
 
     from .generate import stream_generate
+
+    sampling = dict(sampling or {})
+    greedy = not sampling.get("temp")
+    sampler = None if greedy else make_sampler(
+        temp=sampling["temp"], top_p=sampling.get("top_p", 1.0), min_p=sampling.get("min_p", 0.0),
+        top_k=sampling.get("top_k", 0))
 
     def chat_ids(p):
         return tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
@@ -150,16 +163,18 @@ def compare(
     for i, p in enumerate(prompts):
         ids = chat_ids(p)
         ref, plain_tps = [], 0.0
-        for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens):
+        mx.random.seed(seed + i)
+        for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=sampler):
             if r.token in tokenizer.eos_token_ids:
                 break
             ref.append(r.token)
             plain_tps = r.generation_tps
         drafter = make_drafter(ids, ref) if make_drafter else None
         got, last = [], None
-        for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, tree=tree, drafter=drafter):
+        for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, tree=tree, drafter=drafter,
+                                    seed=seed + i, **sampling):
             got.extend(last.tokens)
-        res = PromptResult(i, len(got), plain_tps, last.generation_tps, last.tau, got == ref)
+        res = PromptResult(i, len(got), plain_tps, last.generation_tps, last.tau, got == ref if greedy else None)
         results.append(res)
         if progress:
             progress(res)
@@ -171,7 +186,8 @@ def summary(results: Sequence[PromptResult], groups: Sequence[str] | None = None
     count; with ``groups`` (a label per prompt) also the medians per group."""
     out = {
         "prompts": len(results),
-        "identical": sum(r.identical for r in results),
+        "identical": sum(bool(r.identical) for r in results) if results and results[0].identical is not None
+        else None,
         "median_speedup": statistics.median(r.speedup for r in results),
         "median_tau": statistics.median(r.tau for r in results),
         "median_plain_tps": statistics.median(r.plain_tps for r in results),

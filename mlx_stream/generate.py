@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import cache_offset, keep_path, make_tree_cache, trim_cache
 from .drafters import Drafter, HeadsDrafter, NoDrafter
-from .sampling import check_sampling, probabilities
-from .tree import Tree, parse_tree
+from .sampling import LogitsProcessor, SamplingParams, log_softmax, process_logits
+from .tree import Tree, no_drafts, parse_tree
 from .verify import verify_greedy, verify_sample
 
 
@@ -31,6 +31,9 @@ class GenerationResponse:
         text: the text delta released this step (text that could still become a
             stop string is held back until it cannot).
         tokens: token ids emitted this step.
+        logprobs: the log-probability of each of ``tokens`` as mlx-lm reports it:
+            ``log_softmax`` of the target's logits after the logits processors,
+            before temperature and top-p/top-k/min-p (natural log, float).
         accepted: drafts accepted this step.
         prompt_tokens: prompt length in tokens (including reused cache entries).
         prompt_tps: prefill speed, tokens/s (over the tokens actually prefilled).
@@ -57,6 +60,7 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: str | None = None
     tau: float = 0.0
+    logprobs: list[float] | None = None
 
 
 class PromptCache:
@@ -98,11 +102,14 @@ def _encode(tokenizer, prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def check_generation(max_tokens: int, temp: float) -> None:
-    """Raise ``ValueError`` for ``max_tokens <= 0`` or a negative temperature."""
-    if not isinstance(max_tokens, int) or max_tokens <= 0:
+def check_generation(max_tokens: int, sampling: SamplingParams | float, vocab_size: int | None = None) -> None:
+    """Raise ``ValueError`` for ``max_tokens <= 0`` or sampling parameters out of
+    range (:meth:`~mlx_stream.sampling.SamplingParams.check`; a float is a temperature)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    check_sampling(temp)
+    if not isinstance(sampling, SamplingParams):
+        sampling = SamplingParams(temp=sampling)
+    sampling.check(vocab_size)
 
 
 class _Emitter:
@@ -174,18 +181,24 @@ def stream_generate(
     prompt: str | Sequence[int] | mx.array,
     max_tokens: int = 256,
     temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    logits_processors: Sequence[LogitsProcessor] | None = None,
     tree: str | Sequence[Sequence[int]] | Tree | None = None,
     drafter: Drafter | None = None,
     stop: Sequence[str] | str | None = None,
     seed: int | None = None,
     prompt_cache: PromptCache | None = None,
     prefill_step_size: int = 2048,
+    verifier: Callable | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with Speculative Streaming, yielding one response per decoding step.
 
     Greedy output (``temp=0``) is token-for-token the backbone's greedy output;
-    sampled output has exactly the backbone's distribution (see
-    :mod:`mlx_stream.verify`).
+    sampled output has exactly the backbone's distribution under the same sampling
+    settings (see :mod:`mlx_stream.sampling` and :func:`mlx_stream.verify.verify_sample`).
 
     Args:
         model: a :class:`~mlx_stream.model.SpeculativeModel` from :func:`mlx_stream.load`.
@@ -193,15 +206,23 @@ def stream_generate(
         prompt: text (encoded as mlx-lm does), or token ids.
         max_tokens: the most tokens to emit (> 0).
         temp: sampling temperature; 0 is greedy.
+        top_p, top_k, min_p, min_tokens_to_keep: mlx-lm's ``make_sampler`` filters
+            (see :class:`~mlx_stream.sampling.SamplingParams`); ignored when greedy.
+        logits_processors: mlx-lm logits processors ``f(tokens, logits) -> logits``
+            (``mlx_lm.sample_utils.make_logits_processors``: repetition penalty, logit
+            bias, ...), applied at every tree node with that node's own history.
         tree: the draft tree when drafting with the model's heads (see
             :func:`mlx_stream.tree.parse_tree`); None uses the tree stored with the
             heads (``HeadConfig.tree``), else the default sparse tree; ignored without heads.
         drafter: a custom :class:`~mlx_stream.drafters.Drafter` (overrides ``tree``).
         stop: stop string(s); output ends before the first occurrence.
-        seed: seed for sampling (``temp > 0``).
+        seed: seed of this call's own random generator (``temp > 0``): the same seed and
+            settings give the same output, whatever else runs in the process.
         prompt_cache: a :class:`PromptCache` to reuse across calls; its common
             prefix with the prompt is not recomputed.
         prefill_step_size: prompt tokens per prefill chunk.
+        verifier: the sampled verification rule, ``f(tree, tokens, probs, rng) ->
+            (path, next_token)``; default :func:`~mlx_stream.verify.verify_sample`.
 
     Yields:
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
@@ -210,7 +231,10 @@ def stream_generate(
         ValueError: bad parameters, an empty prompt, or a prompt that does not fit
             in the context window (checked before any forward pass).
     """
-    check_generation(max_tokens, temp)
+    sampling = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
+    check_generation(max_tokens, sampling, model.args.vocab_size)
+    processors = list(logits_processors or [])
+    verifier = verifier or verify_sample
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     ids = _encode(tokenizer, prompt)
     if not ids:
@@ -233,6 +257,29 @@ def stream_generate(
     rng = np.random.default_rng(seed)
     emitter = _Emitter(tokenizer, max_tokens, stop)
 
+    def pick(tree: Tree, node_tokens: mx.array, logits: mx.array, history: list[int]):
+        # the target's processed distribution at every node -> (accepted path, next token,
+        # node tokens, log-probability of each emitted token); one host sync
+        if processors:
+            paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
+            logits = process_logits(processors, mx.array(history, dtype=mx.int32), node_tokens, paths, logits)
+        logprobs = log_softmax(logits)  # (N, V)
+        if sampling.greedy:
+            targets = mx.argmax(logits, axis=-1)
+            best = mx.max(logprobs, axis=-1)
+            mx.eval(node_tokens, targets, best)
+            toks = node_tokens.tolist()
+            path, nxt = verify_greedy(tree, toks, targets.tolist())
+            best = best.tolist()
+            return path, nxt, toks, [best[i] for i in path]
+        probs = sampling.distribution(logprobs)
+        mx.eval(node_tokens, probs, logprobs)
+        toks = node_tokens.tolist()
+        path, nxt = verifier(tree, toks, np.array(probs), rng)
+        lp = np.array(logprobs)
+        emitted = [toks[i] for i in path[1:]] + [nxt]
+        return path, nxt, toks, [float(lp[i, t]) for i, t in zip(path, emitted)]
+
     # prefill; the last hidden state gives the first token and feeds the heads
     tic = time.perf_counter()
     reused = cache.reuse(ids)
@@ -243,12 +290,8 @@ def stream_generate(
         hidden, mid = (out[0][-1], out[1][-1]) if cap is not None else (out[-1], None)
         mx.eval(hidden, [c.state for c in cache.layers])
     cache.tokens = list(ids)
-    logits = fam.project(backbone, hidden)
-    if temp == 0:
-        y = int(mx.argmax(logits).item())
-    else:
-        p = np.array(probabilities(logits[None], temp)[0], dtype=np.float64)
-        y = int(rng.choice(p.shape[0], p=p / p.sum()))
+    root = no_drafts()
+    _, y, _, lps = pick(root, mx.array([ids[-1]], dtype=mx.int32), fam.project(backbone, hidden)[None], ids)
     prompt_time = time.perf_counter() - tic
     prompt_tps = len(rest) / prompt_time
     tic = time.perf_counter()
@@ -267,6 +310,7 @@ def stream_generate(
             generation_tokens=len(emitter.tokens), generation_tps=len(emitter.tokens) / elapsed,
             forward_passes=n_fwd, peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
             tau=(len(emitter.tokens) + emitter.eos_hit - 1) / n_fwd if n_fwd else 0.0,
+            logprobs=lps[: len(kept)],
         )
         if reason is not None:
             return
@@ -286,17 +330,7 @@ def stream_generate(
             mask = mx.concatenate([mx.ones((t.size, start), dtype=mx.bool_), mx.array(t.mask)], axis=1)
         out = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers, capture=cap)
         h, mids = out if cap is not None else (out, None)  # (N, H) each
-        logits = fam.project(backbone, h)  # (N, V)
-        if temp == 0:
-            targets = mx.argmax(logits, axis=-1)
-            mx.eval(node_tokens, targets)
-            node_list = node_tokens.tolist()
-            path, y = verify_greedy(t, node_list, targets.tolist())
-        else:
-            probs = probabilities(logits, temp)
-            mx.eval(node_tokens, probs)
-            node_list = node_tokens.tolist()
-            path, y = verify_sample(t, node_list, np.array(probs), rng)
+        path, y, node_list, lps = pick(t, node_tokens, fam.project(backbone, h), tokens)
         keep_path(cache.layers, start, path)
         cache.tokens.extend(node_list[i] for i in path)
         hidden = h[path[-1]]

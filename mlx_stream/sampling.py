@@ -2,25 +2,137 @@
 
 Both paths turn logits into the same processed distribution at every position, so
 verification compares drafts against exactly what plain sampling would draw from.
+The semantics are mlx-lm's (``mlx_lm.sample_utils``):
+
+1. logits processors ``f(tokens, logits) -> logits`` (repetition penalty, logit bias,
+   ...; ``make_logits_processors``) see every token before the position, the token at
+   the position included; at a tree node that is the emitted prefix plus the node's
+   ancestors and the node itself;
+2. ``logprobs = logits - logsumexp(logits)``: what mlx-lm reports as log-probabilities;
+3. greedy (``temp == 0``) takes the argmax of those; otherwise top-p, min-p and top-k
+   mask ``logprobs`` (mlx-lm's ``apply_top_p``, ``apply_min_p``, ``apply_top_k``, in
+   ``make_sampler``'s order) and the token is drawn from ``softmax(masked / temp)``.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
 import mlx.core as mx
+import numpy as np
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 def check_sampling(temp: float) -> None:
     """Raise ``ValueError`` for a negative (or non-finite) temperature."""
-    if not isinstance(temp, (int, float)) or temp < 0 or temp != temp or temp == float("inf"):
+    if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temp!r}")
 
 
-def probabilities(logits: mx.array, temp: float) -> mx.array:
-    """Softmax of ``logits / temp`` in float32: ``(..., V)`` -> ``(..., V)``.
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is drawn from the processed logits (mlx-lm's ``make_sampler``).
 
-    Raises:
-        ValueError: ``temp <= 0`` (greedy decoding takes the argmax instead).
+    Attributes:
+        temp: temperature; 0 is greedy (argmax; the filters below then do nothing).
+        top_p: nucleus mass in (0, 1]; 1 keeps every token.
+        top_k: keep the k most likely tokens; 0 keeps every token.
+        min_p: drop tokens less likely than ``min_p`` times the most likely one, in
+            [0, 1]; 0 keeps every token.
+        min_tokens_to_keep: min-p never keeps fewer tokens than this (>= 1).
     """
-    if temp <= 0:
-        raise ValueError("probabilities() needs temp > 0; greedy decoding uses the argmax")
-    return mx.softmax(logits.astype(mx.float32) / temp, axis=-1)
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+
+    def check(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first parameter out of range.
+
+        ``top_k`` must be below ``vocab_size`` when it is given (as mlx-lm requires)."""
+        check_sampling(self.temp)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if vocab_size is not None and self.top_k >= vocab_size:
+            raise ValueError(f"top_k must be below the vocabulary size {vocab_size}, got {self.top_k}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        if isinstance(self.min_tokens_to_keep, bool) or not isinstance(self.min_tokens_to_keep, int) \
+                or self.min_tokens_to_keep < 1:
+            raise ValueError(f"min_tokens_to_keep must be an integer >= 1, got {self.min_tokens_to_keep!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def mask(self, logprobs: mx.array) -> mx.array:
+        """Apply top-p, min-p and top-k (mlx-lm's functions and order) to ``(..., V)``
+        float32 log-probabilities; masked entries become ``-inf``."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        if self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return logprobs
+
+    def distribution(self, logprobs: mx.array) -> mx.array:
+        """The sampling distribution ``softmax(mask(logprobs) / temp)``: ``(..., V)`` ->
+        ``(..., V)`` float32, rows summing to 1.
+
+        Raises:
+            ValueError: ``temp == 0`` (greedy decoding takes the argmax instead).
+        """
+        if self.temp <= 0:
+            raise ValueError("distribution() needs temp > 0; greedy decoding uses the argmax")
+        return mx.softmax(self.mask(logprobs.astype(mx.float32)) * (1.0 / self.temp), axis=-1)
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """``logits - logsumexp(logits)`` over the last axis, float32."""
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def process_logits(
+    processors: Sequence[LogitsProcessor],
+    history: mx.array,
+    node_tokens: mx.array,
+    paths: Sequence[mx.array],
+    logits: mx.array,
+) -> mx.array:
+    """Apply mlx-lm logits processors at every node of a draft tree.
+
+    Node i's processors see ``history`` followed by the tokens of the non-root nodes
+    on its path (root excluded, node i included), i.e. exactly the tokens plain
+    decoding would have fed before predicting the token after node i.
+
+    Args:
+        processors: ``f(tokens (L,) int32, logits (1, V)) -> (1, V)``, applied in order.
+        history: ``(L,)`` int32, every token up to and including the root.
+        node_tokens: ``(N,)`` int32, the tree's tokens (``node_tokens[0]`` is the root).
+        paths: per node, ``(d,)`` int32 indices of its non-root path nodes.
+        logits: ``(N, V)`` the target's logits at the nodes.
+
+    Returns:
+        ``(N, V)`` processed logits (unchanged when there are no processors).
+    """
+    if not processors:
+        return logits
+    rows = []
+    for i, path in enumerate(paths):
+        tokens = mx.concatenate([history, node_tokens[path]]) if path.size else history
+        row = logits[i : i + 1]
+        for proc in processors:
+            row = proc(tokens, row)
+        rows.append(row)
+    return mx.concatenate(rows, axis=0)

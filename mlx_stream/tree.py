@@ -66,6 +66,17 @@ class Tree:
             ks[len(c) - 1] = max(ks[len(c) - 1], c[-1] + 1)
         return tuple(ks)
 
+    @property
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """For each node, the non-root nodes from the root down to it (itself
+        included; empty for the root): the drafted tokens its prediction is
+        conditioned on."""
+        out: list[tuple[int, ...]] = []
+        for i in range(self.size):
+            p = int(self.parents[i])
+            out.append(() if p < 0 else out[p] + (i,))
+        return tuple(out)
+
     def truncate(self, max_depth: int) -> "Tree":
         """The subtree of nodes with depth <= ``max_depth`` (a prefix of the nodes)."""
         if max_depth >= self.depth:

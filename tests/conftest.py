@@ -15,8 +15,12 @@ TEXT = (
 ) * 20
 
 
-def make_tiny_model_dir(path: Path, seed: int = 0, vocab: int = 384, context: int = 512) -> Path:
-    """Write an mlx-lm llama folder with random weights and a byte-level BPE tokenizer."""
+def make_tiny_model_dir(path: Path, seed: int = 0, vocab: int = 384, context: int = 512,
+                        embed_scale: float = 1.0) -> Path:
+    """Write an mlx-lm llama folder with random weights and a byte-level BPE tokenizer.
+
+    ``embed_scale`` is the embeddings' standard deviation: 1.0 gives near-deterministic
+    next-token distributions, ~0.05 spreads them over a handful of tokens."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -48,7 +52,7 @@ def make_tiny_model_dir(path: Path, seed: int = 0, vocab: int = 384, context: in
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(cfg))
     # larger-than-default embeddings so the random model has peaked, varied predictions
-    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 1.0
+    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * embed_scale
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return path
 

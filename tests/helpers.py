@@ -12,14 +12,39 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_stream import stream_generate
 
 
-def mlx_lm_greedy(model, tokenizer, ids, max_tokens):
-    """Plain mlx-lm greedy output (token ids; EOS not included), same model object."""
+def mlx_lm_greedy(model, tokenizer, ids, max_tokens, logits_processors=None, logprobs=None):
+    """Plain mlx-lm greedy output (token ids; EOS not included), same model object.
+    With a ``logprobs`` list, each token's log-probability (mlx-lm's) is appended to it."""
     out = []
-    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens):
+    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
+                                    logits_processors=logits_processors):
         if r.finish_reason == "stop" and r.token in tokenizer.eos_token_ids:
             break
         out.append(r.token)
+        if logprobs is not None:
+            logprobs.append(float(r.logprobs[r.token]))
     return out
+
+
+class SelfDrafter:
+    """Drafts the target's own top-k tokens (unprocessed logits, full forward per
+    context), so drafts are accepted often and every verification branch runs;
+    memoised by context, so repeated sampling from one prompt stays fast."""
+
+    capture = None
+
+    def __init__(self, model, tree):
+        self.model, self.tree, self.memo = model, tree, {}
+
+    def draft(self, hidden, tokens, mid=None, cache=None):
+        t, out = self.tree, [int(tokens[-1])] + [0] * (self.tree.size - 1)
+        for i in range(1, t.size):
+            ctx = tuple(tokens) + tuple(out[j] for j in t.paths[int(t.parents[i])])
+            if ctx not in self.memo:
+                logits = self.model.backbone(mx.array(ctx)[None])[0, -1]
+                self.memo[ctx] = np.argsort(-np.array(logits, dtype=np.float64), kind="stable")[:8]
+            out[i] = int(self.memo[ctx][int(t.ranks[i])])
+        return mx.array(out[1:], dtype=mx.int32)
 
 
 def ours(model, tokenizer, ids, max_tokens, **kw):

@@ -38,6 +38,12 @@ def test_generate_json(tiny_dir):
     (["--temp", "-1"], "temperature"),
     (["--max-tokens", "0"], "max_tokens"),
     (["--tree", "1;;2"], "unknown tree"),
+    (["--temp", "1", "--top-p", "0"], "top_p"),
+    (["--temp", "1", "--top-p", "1.5"], "top_p"),
+    (["--temp", "1", "--top-k", "-2"], "top_k"),
+    (["--temp", "1", "--top-k", "100000"], "vocabulary size"),
+    (["--temp", "1", "--min-p", "1.5"], "min_p"),
+    (["--repetition-penalty", "0"], "repetition-penalty"),
     (["--model", "no/such/thing/here"], "unknown model"),
     (["--model", "missing.gguf"], "GGUF file not found"),
 ])
@@ -47,6 +53,18 @@ def test_generate_bad_input_exits_2(tiny_dir, args, msg):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert msg in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_generate_sampling_flags_seed_and_logprobs(tiny_dir):
+    args = ["generate", "-m", str(tiny_dir), "-p", "The quick", "--max-tokens", "12", "--temp", "0.7",
+            "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05", "--repetition-penalty", "1.2", "--seed", "4",
+            "--json", "--logprobs"]
+    a, b = run(*args), run(*args)
+    assert a.returncode == 0, a.stderr
+    ja, jb = json.loads(a.stdout), json.loads(b.stdout)
+    assert ja["tokens"] == jb["tokens"] and ja["logprobs"] == jb["logprobs"]
+    assert len(ja["logprobs"]) == len(ja["tokens"]) > 0 and all(x <= 0 for x in ja["logprobs"])
+    assert "logprobs" not in json.loads(run(*args[:-1]).stdout)
 
 
 def test_chat_turns_reset_and_eof(tiny_dir):

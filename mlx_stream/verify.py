@@ -51,18 +51,25 @@ def verify_sample(
     tokens: Sequence[int],
     probs: np.ndarray,
     rng: np.random.Generator,
+    draft_probs: np.ndarray | None = None,
 ) -> tuple[list[int], int]:
-    """Exact multi-candidate speculative sampling over a tree of deterministic drafts.
+    """Exact multi-candidate speculative sampling over a draft tree.
 
-    At the current node with target distribution p (the processed, normalised
-    distribution at that node), the children c1..cm are tried in rank order. Each
-    was drafted deterministically (q = one-hot), so child c is accepted with
-    probability min(1, p(c) / q(c)) = p(c). On rejection the residual becomes
-    norm(max(0, p - q)) = p with c removed and renormalised, and the next sibling is
-    tried against it. If every child is rejected the next token is sampled from the
-    final residual. Invariant: the token emitted at each position is distributed
-    exactly as p (Chen et al. 2023, Leviathan et al. 2023, Theorem 1; the
-    multi-candidate form is SpecInfer's, Miao et al. 2024, Algorithm 2).
+    At the current node, with p the target's processed distribution there (after
+    logits processors, top-p/top-k/min-p and temperature: what plain sampling would
+    draw from), the children c1..cm are tried in rank order. Child c, drafted from a
+    distribution q, is accepted with probability min(1, p(c) / q(c)); on rejection p
+    becomes the residual norm(max(0, p - q)) and the next sibling is tried against it.
+    If every child is rejected, the next token is drawn from the final residual.
+    Deterministic drafts (the stream heads' top-k) have q = one-hot(c), so c is
+    accepted with probability p(c) and the residual is p with c removed.
+
+    Invariant: whatever the drafts, the token emitted at each position is distributed
+    exactly as p given the tokens before it, so the output has the target's
+    distribution (Leviathan et al. 2023, Chen et al. 2023, Theorem 1; the
+    multi-candidate form with residual updates is SpecInfer's, Miao et al. 2024,
+    Algorithm 2 / Theorem 4.2). For stochastic drafts, siblings must be drawn
+    independently from their q.
 
     Args:
         tree: the tree the forward pass ran over (N nodes).
@@ -70,6 +77,8 @@ def verify_sample(
         probs: ``(N, V)`` float array, the target's processed distribution at each
             node (rows sum to 1).
         rng: the NumPy generator that supplies the uniforms (seeded by the caller).
+        draft_probs: ``(N, V)`` float array or None: row i is the distribution node
+            i's token was drafted from; None means every draft is deterministic.
 
     Returns:
         ``(path, next_token)`` as for :func:`verify_greedy`.
@@ -81,15 +90,22 @@ def verify_sample(
         accepted = None
         for c in tree.children[node]:
             t = tokens[c]
-            if rng.random() < p[t]:
+            q = None if draft_probs is None else np.asarray(draft_probs[c], dtype=np.float64)
+            qt = 1.0 if q is None else q[t]
+            if qt > 0 and rng.random() * qt < p[t]:  # u < p(t) / q(t), without dividing
                 accepted = c
                 break
-            p[t] = 0.0
+            if q is None:
+                p[t] = 0.0
+            else:
+                p = np.maximum(p - q, 0.0)
             total = p.sum()
-            if total <= 0.0:  # every token with mass was drafted and rejected
+            if total <= 0.0:  # no mass left: p was contained in the rejected drafts' q
                 break
             p = p / total
         if accepted is None:
+            if p.sum() <= 0.0:  # cannot happen for an exact p; keep the original row
+                p = np.array(probs[node], dtype=np.float64)
             return path, int(rng.choice(p.shape[0], p=p / p.sum()))
         node = accepted
         path.append(node)

@@ -69,3 +69,28 @@ def test_greedy_identity_real(real, shipped_heads, random_heads, i):
     got, rs = ours(model, tok, ids, MAX_TOKENS, drafter=OracleDrafter(len(ids), ref, chain(K), V, wrong=True))
     assert_greedy_identical(model, ids, got, ref)
     assert sum(r.accepted for r in rs) == 0
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("i", [0, 7])
+def test_greedy_identity_real_with_processors(real, shipped_heads, i):
+    """With repetition/presence penalties and a logit bias on, the shipped heads still
+    give plain mlx-lm's greedy output (same processors), and the same log-probabilities."""
+    import numpy as np
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tok = real
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i]}], add_generation_prompt=True)
+    procs = make_logits_processors(logit_bias={tok.encode(" the")[0]: -4.0}, repetition_penalty=1.3,
+                                   presence_penalty=0.2)
+    ref_lp = []
+    ref = mlx_lm_greedy(model, tok, ids, 64, logits_processors=procs, logprobs=ref_lp)
+    assert ref != mlx_lm_greedy(model, tok, ids, 64)  # the processors change the text
+    try:
+        model.heads = shipped_heads
+        got, rs = ours(model, tok, ids, 64, tree=SHIPPED_TREE, logits_processors=procs)
+    finally:
+        model.heads = None
+    assert_greedy_identical(model, ids, got, ref)
+    np.testing.assert_allclose([x for r in rs for x in r.logprobs], ref_lp, atol=1e-3)
+    assert sum(r.accepted for r in rs) > 0

@@ -18,7 +18,6 @@ from mlx_stream import load, stream_generate
 from mlx_stream.heads import new_heads
 from mlx_stream.sampling import SamplingParams, log_softmax, process_logits
 from mlx_stream.tree import parse_tree
-from mlx_stream.verify import verify_sample
 
 N_SAMPLES = 20_000
 N_BIASED = 5_000
@@ -252,16 +251,3 @@ def test_bad_sampling_parameters_are_refused(tiny):
                     ({"min_tokens_to_keep": 0}, "min_tokens_to_keep")]:
         with pytest.raises(ValueError, match=msg):
             next(stream_generate(model, tok, "hi", max_tokens=5, **({"temp": 1.0} | kw)))
-
-
-def test_verify_sample_accepts_and_residual():
-    """Direct check of the residual rule on a hand-made distribution: with drafts
-    a (p=.5) then b (p=.3), P(a) = .5, P(b) = .3, P(other) = .2."""
-    tree = parse_tree("0;1", 1)
-    probs = np.array([[0.5, 0.3, 0.2], [1, 0, 0], [1, 0, 0]])
-    rng = np.random.default_rng(0)
-    firsts = [0, 0, 0]
-    for _ in range(30_000):
-        path, nxt = verify_sample(tree, [2, 0, 1], probs, rng)
-        firsts[{1: 0, 2: 1}[path[1]] if len(path) > 1 else nxt] += 1
-    assert chisquare(firsts, [15_000, 9_000, 6_000]).pvalue > ALPHA

@@ -45,3 +45,30 @@ def test_sample_first_token_distribution_is_exact():
     expected = p * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 16.27, (counts, chi2)  # chi-square, 3 dof, p = 0.001
+
+
+def test_stochastic_drafts_keep_the_distribution():
+    """Three siblings drawn i.i.d. from q != p (repeats allowed): accept with
+    min(1, p/q), residual norm(max(0, p - q)) after each rejection; the emitted first
+    token still follows p."""
+    from scipy.stats import chisquare
+
+    t = build_tree([(0,), (1,), (2,)])
+    p = np.array([0.05, 0.4, 0.3, 0.2, 0.05])
+    q = np.array([0.5, 0.1, 0.1, 0.1, 0.2])
+    rng = np.random.default_rng(2)
+    n = 40000
+    counts = np.zeros(5)
+    for _ in range(n):
+        drafts = rng.choice(5, size=3, p=q)
+        toks = [0, *drafts]
+        path, nxt = verify_sample(t, toks, np.stack([p] * 4), rng, draft_probs=np.stack([q] * 4))
+        counts[toks[path[1]] if len(path) > 1 else nxt] += 1
+    assert chisquare(counts, p * n).pvalue > 0.01, counts
+    # the residual matters: without it (rejected siblings drawn from p again) the test fails
+    naive = np.zeros(5)
+    for _ in range(n // 4):
+        drafts = rng.choice(5, size=3, p=q)
+        ok = [d for d in drafts if rng.random() < min(1.0, p[d] / q[d])]
+        naive[ok[0] if ok else rng.choice(5, p=p)] += 1
+    assert chisquare(naive, p * n / 4).pvalue < 0.01

@@ -16,11 +16,12 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .adaptive import SpeculationPolicy
 from .cache import cache_offset, keep_path, make_tree_cache, trim_cache
 from .drafters import Drafter, HeadsDrafter, NoDrafter
 from .sampling import LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .tree import Tree, no_drafts, parse_tree
-from .verify import verify_greedy, verify_sample
+from .verify import verify_coupled, verify_greedy
 
 
 @dataclass
@@ -35,6 +36,8 @@ class GenerationResponse:
             ``log_softmax`` of the target's logits after the logits processors,
             before temperature and top-p/top-k/min-p (natural log, float).
         accepted: drafts accepted this step.
+        drafted: drafts verified by the forward pass that produced this step's tokens
+            (0 for a plain step, and for the first token, which comes from the prefill).
         prompt_tokens: prompt length in tokens (including reused cache entries).
         prompt_tps: prefill speed, tokens/s (over the tokens actually prefilled).
         generation_tokens: tokens emitted so far.
@@ -61,6 +64,7 @@ class GenerationResponse:
     finish_reason: str | None = None
     tau: float = 0.0
     logprobs: list[float] | None = None
+    drafted: int = 0
 
 
 class PromptCache:
@@ -193,6 +197,7 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     prefill_step_size: int = 2048,
     verifier: Callable | None = None,
+    adaptive: bool | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with Speculative Streaming, yielding one response per decoding step.
 
@@ -216,13 +221,19 @@ def stream_generate(
             heads (``HeadConfig.tree``), else the default sparse tree; ignored without heads.
         drafter: a custom :class:`~mlx_stream.drafters.Drafter` (overrides ``tree``).
         stop: stop string(s); output ends before the first occurrence.
-        seed: seed of this call's own random generator (``temp > 0``): the same seed and
-            settings give the same output, whatever else runs in the process.
+        seed: an int >= 0 (``temp > 0``): the token at each position is drawn with a
+            uniform keyed by (seed, position), so the same seed and settings give the
+            same output whatever else runs in the process, and whatever is drafted
+            (heads, tree, adaptive choices or plain decoding). None: fresh entropy.
         prompt_cache: a :class:`PromptCache` to reuse across calls; its common
             prefix with the prompt is not recomputed.
         prefill_step_size: prompt tokens per prefill chunk.
-        verifier: the sampled verification rule, ``f(tree, tokens, probs, rng) ->
-            (path, next_token)``; default :func:`~mlx_stream.verify.verify_sample`.
+        verifier: the sampled verification rule, ``f(tree, tokens, probs, uniforms) ->
+            (path, next_token)``; default :func:`~mlx_stream.verify.verify_coupled`.
+        adaptive: decode plainly while drafts do not pay (measured online, see
+            :class:`~mlx_stream.adaptive.SpeculationPolicy`); the output is the same
+            either way. None: on when drafting with the model's heads, off for a
+            custom ``drafter``.
 
     Yields:
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
@@ -234,7 +245,10 @@ def stream_generate(
     sampling = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
     check_generation(max_tokens, sampling, model.args.vocab_size)
     processors = list(logits_processors or [])
-    verifier = verifier or verify_sample
+    verifier = verifier or verify_coupled
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
+    entropy = np.random.SeedSequence(seed).entropy
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     ids = _encode(tokenizer, prompt)
     if not ids:
@@ -245,6 +259,8 @@ def stream_generate(
             f"the prompt has {len(ids)} tokens but the model's context window is {ctx}: "
             "shorten the prompt"
         )
+    if adaptive is None:
+        adaptive = drafter is None
     if drafter is None:
         if model.heads is not None:
             if tree is None and model.heads.config.tree:
@@ -254,8 +270,8 @@ def stream_generate(
             drafter = NoDrafter()
     cache = prompt_cache if prompt_cache is not None else PromptCache(model)
     fam, backbone = model.family, model.backbone
-    rng = np.random.default_rng(seed)
     emitter = _Emitter(tokenizer, max_tokens, stop)
+    policy = SpeculationPolicy() if adaptive and drafter.tree.size > 1 else None
 
     def pick(tree: Tree, node_tokens: mx.array, logits: mx.array, history: list[int]):
         # the target's processed distribution at every node -> (accepted path, next token,
@@ -275,7 +291,10 @@ def stream_generate(
         probs = sampling.distribution(logprobs)
         mx.eval(node_tokens, probs, logprobs)
         toks = node_tokens.tolist()
-        path, nxt = verifier(tree, toks, np.array(probs), rng)
+        # one uniform per position, keyed by (seed, position): the token after a node of
+        # depth d lands at position len(history) + d
+        uniforms = [np.random.default_rng([entropy, len(history) + d]).random() for d in range(tree.depth + 1)]
+        path, nxt = verifier(tree, toks, np.array(probs), uniforms)
         lp = np.array(logprobs)
         emitted = [toks[i] for i in path[1:]] + [nxt]
         return path, nxt, toks, [float(lp[i, t]) for i, t in zip(path, emitted)]
@@ -296,7 +315,7 @@ def stream_generate(
     prompt_tps = len(rest) / prompt_time
     tic = time.perf_counter()
 
-    n_fwd, accepted, chunk = 0, 0, [y]
+    n_fwd, accepted, drafted, chunk = 0, 0, 0, [y]
     tokens = list(ids)  # prompt + output; the root is last
     while True:
         tokens.extend(chunk)
@@ -310,7 +329,7 @@ def stream_generate(
             generation_tokens=len(emitter.tokens), generation_tps=len(emitter.tokens) / elapsed,
             forward_passes=n_fwd, peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
             tau=(len(emitter.tokens) + emitter.eos_hit - 1) / n_fwd if n_fwd else 0.0,
-            logprobs=lps[: len(kept)],
+            logprobs=lps[: len(kept)], drafted=drafted,
         )
         if reason is not None:
             return
@@ -318,11 +337,16 @@ def stream_generate(
         # one forward over the tree: verify last step's drafts, draft the next tree
         depth = min(max_tokens - len(emitter.tokens) - 1, room - 1 if room is not None else 1 << 30)
         t = drafter.tree.truncate(depth)
-        if cap is None:
-            drafts = drafter.draft(hidden, tokens)
+        step_tic = time.perf_counter()
+        decide = policy is not None and t.size > 1
+        if decide and not policy.use_drafts():
+            t = root
+        if t.size == 1:
+            drafts = mx.zeros((0,), dtype=mx.int32)
+        elif cap is None:
+            drafts = drafter.draft(hidden, tokens)[: t.size - 1]
         else:
-            drafts = drafter.draft(hidden, tokens, mid=mid, cache=cache.layers)
-        drafts = drafts[: t.size - 1]
+            drafts = drafter.draft(hidden, tokens, mid=mid, cache=cache.layers)[: t.size - 1]
         node_tokens = mx.concatenate([mx.array([y], dtype=mx.int32), drafts.astype(mx.int32)])
         positions = mx.array(start + t.depths, dtype=mx.int32)
         mask = None
@@ -331,11 +355,13 @@ def stream_generate(
         out = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers, capture=cap)
         h, mids = out if cap is not None else (out, None)  # (N, H) each
         path, y, node_list, lps = pick(t, node_tokens, fam.project(backbone, h), tokens)
+        if decide:
+            policy.observe(t.size > 1, time.perf_counter() - step_tic, len(path))
         keep_path(cache.layers, start, path)
         cache.tokens.extend(node_list[i] for i in path)
         hidden = h[path[-1]]
         mid = mids[path[-1]] if mids is not None else None
-        accepted = len(path) - 1
+        accepted, drafted = len(path) - 1, t.size - 1
         chunk = [node_list[i] for i in path[1:]] + [y]
         n_fwd += 1
 

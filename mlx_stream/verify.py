@@ -1,9 +1,15 @@
 """Verification of a draft tree against the target's logits: pure functions.
 
-Both rules walk the tree from the root and return the accepted path (node indices,
+Every rule walks the tree from the root and returns the accepted path (node indices,
 root first) and the next token: the target's own token at the last accepted node.
 The tokens emitted by a step are the accepted drafts followed by that next token,
 so every step emits at least one token and the output is the target's.
+
+* :func:`verify_greedy`: temperature 0.
+* :func:`verify_sample`: the general multi-candidate rule (any draft distribution q).
+* :func:`verify_coupled`: the same rule for deterministic drafts, realised with one
+  uniform per position; the decode loop uses it, so a seeded run gives the same tokens
+  whatever was drafted (heads, tree, or plain decoding).
 """
 
 from __future__ import annotations
@@ -108,4 +114,55 @@ def verify_sample(
                 p = np.array(probs[node], dtype=np.float64)
             return path, int(rng.choice(p.shape[0], p=p / p.sum()))
         node = accepted
+        path.append(node)
+
+
+def sample_index(p: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw: the index i with ``cdf[i-1] <= u * total < cdf[i]`` for a
+    ``(V,)`` non-negative weight vector ``p`` and ``u`` in [0, 1). Entries with zero
+    weight are never drawn."""
+    cdf = np.cumsum(np.asarray(p, dtype=np.float64))
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return min(i, int(np.flatnonzero(np.asarray(p) > 0)[-1]))
+
+
+def verify_coupled(
+    tree: Tree,
+    tokens: Sequence[int],
+    probs: np.ndarray,
+    uniforms: Sequence[float],
+) -> tuple[list[int], int]:
+    """Multi-candidate speculative sampling for deterministic drafts, one uniform per
+    position.
+
+    At the current node (depth d) the target's token is drawn by inverse CDF from its
+    processed distribution p with the uniform ``uniforms[d]``; the child drafting that
+    token is accepted and the walk continues there, otherwise the drawn token is the
+    next token. This is :func:`verify_sample`'s law for one-hot draft distributions:
+    child c1 is accepted with probability p(c1); given its rejection the draw is
+    distributed as the residual p with c1 removed, so c2 is accepted with the
+    residual's probability of c2, and so on, and the next token follows the final
+    residual (SpecInfer, Miao et al. 2024, Algorithm 2, with q one-hot). Every emitted
+    token is a deterministic function of its position's uniform and the target's
+    distribution there, so with uniforms keyed by (seed, position) the output does not
+    depend on what was drafted: speculative and plain decoding give the same tokens.
+
+    Args:
+        tree: the tree the forward pass ran over (N nodes).
+        tokens: ``N`` ints, the token of each node.
+        probs: ``(N, V)`` float array, the target's processed distribution at each node.
+        uniforms: ``tree.depth + 1`` floats in [0, 1): ``uniforms[d]`` draws the token
+            that follows a node of depth d.
+
+    Returns:
+        ``(path, next_token)`` as for :func:`verify_greedy`.
+    """
+    node = 0
+    path = [0]
+    while True:
+        x = sample_index(probs[node], uniforms[int(tree.depths[node])])
+        nxt = next((c for c in tree.children[node] if tokens[c] == x), None)
+        if nxt is None:
+            return path, x
+        node = nxt
         path.append(node)

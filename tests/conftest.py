@@ -62,6 +62,13 @@ def tiny_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture(scope="session")
+def spread_dir(tmp_path_factory) -> Path:
+    """A tiny model whose next-token distributions put ~0.5 on the top token and spread
+    the rest (random heads accept little; sampling has many outcomes)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("spread") / "model", embed_scale=0.26)
+
+
 @pytest.fixture()
 def tiny(tiny_dir):
     from mlx_stream import load

@@ -12,12 +12,12 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from scipy.stats import chisquare
 
-from conftest import make_tiny_model_dir
 from helpers import SelfDrafter, mlx_lm_greedy, ours
 from mlx_stream import load, stream_generate
 from mlx_stream.heads import new_heads
 from mlx_stream.sampling import SamplingParams, log_softmax, process_logits
 from mlx_stream.tree import parse_tree
+from mlx_stream.verify import sample_index
 
 N_SAMPLES = 20_000
 N_BIASED = 5_000
@@ -34,11 +34,8 @@ SETTINGS = {
 
 
 @pytest.fixture(scope="module")
-def spread(tmp_path_factory):
-    """A tiny model whose next-token distributions put ~0.5 on the top token and
-    spread the rest, so drafts are accepted about half the time."""
-    d = make_tiny_model_dir(tmp_path_factory.mktemp("spread") / "model", embed_scale=0.26)
-    model, tok = load(str(d), dtype="float32")
+def spread(spread_dir):
+    model, tok = load(str(spread_dir), dtype="float32")
     return model, tok, tok.encode("The quick")
 
 
@@ -107,7 +104,7 @@ def test_sampled_tokens_follow_the_plain_distribution(spread, name):
     assert p > ALPHA, f"{name}: speculative sampling differs from plain sampling (chi2 {stat:.1f}, p {p:.2e})"
 
 
-def greedy_acceptance(tree, tokens, probs, rng):
+def greedy_acceptance(tree, tokens, probs, uniforms):
     """Biased: accept a draft when it is the target's most likely token; otherwise
     sample from the target's distribution (the argmax is over-represented)."""
     node, path = 0, [0]
@@ -115,15 +112,15 @@ def greedy_acceptance(tree, tokens, probs, rng):
         best = int(np.argmax(probs[node]))
         nxt = next((c for c in tree.children[node] if tokens[c] == best), None)
         if nxt is None:
-            p = np.asarray(probs[node], dtype=np.float64)
-            return path, int(rng.choice(p.shape[0], p=p / p.sum()))
+            return path, sample_index(probs[node], uniforms[int(tree.depths[node])])
         node = nxt
         path.append(node)
 
 
-def no_residual(tree, tokens, probs, rng):
+def no_residual(tree, tokens, probs, uniforms):
     """Biased: the acceptance test is right, but after a rejection it samples from the
     target's distribution instead of the residual (the rejected draft can come back)."""
+    rng = np.random.default_rng(int(uniforms[0] * 2**53))
     node, path = 0, [0]
     while True:
         p = np.asarray(probs[node], dtype=np.float64)
@@ -227,6 +224,27 @@ def test_logprobs_equal_plain_decoding(spread):
         assert lps[k] == pytest.approx(float(log_softmax(row)[0, t]), abs=1e-4)
 
 
+@pytest.mark.parametrize("kw", [{"temp": 1.0}, {"temp": 0.7, "top_p": 0.9}, {"temp": 1.0, "top_k": 5, "min_p": 0.05}])
+def test_seeded_speculative_output_is_plain_output(spread, kw):
+    """Uniforms keyed by (seed, position): whatever is drafted, a seeded run emits the
+    tokens plain decoding emits with that seed (drafts accepted, tokens identical)."""
+    model, tok, ids = spread
+    procs = make_logits_processors(repetition_penalty=1.2)
+    model.heads = new_heads(model.backbone, tok, 2, scale=0.5, seed=1)
+    accepted = 0
+    try:
+        for seed in range(12):
+            plain, _ = ours(model, tok, ids, 24, seed=seed, logits_processors=procs, tree="none", **kw)
+            spec, rs = ours(model, tok, ids, 24, seed=seed, logits_processors=procs,
+                            drafter=SelfDrafter(model, parse_tree(TREE, 2)), **kw)
+            heads, _ = ours(model, tok, ids, 24, seed=seed, logits_processors=procs, tree="0;1;0,0", **kw)
+            assert spec == plain == heads, seed
+            accepted += sum(r.accepted for r in rs)
+    finally:
+        model.heads = None
+    assert accepted > 24
+
+
 def test_seeded_runs_repeat_whatever_else_runs(spread):
     model, tok, ids = spread
     drafter = SelfDrafter(model, parse_tree(TREE, 2))
@@ -248,6 +266,7 @@ def test_bad_sampling_parameters_are_refused(tiny):
     model, tok = tiny
     for kw, msg in [({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
                     ({"top_k": 10_000}, "vocabulary"), ({"min_p": 2.0}, "min_p"), ({"temp": float("nan")}, "temp"),
-                    ({"min_tokens_to_keep": 0}, "min_tokens_to_keep")]:
+                    ({"min_tokens_to_keep": 0}, "min_tokens_to_keep"), ({"seed": -1}, "seed"),
+                    ({"seed": 1.5}, "seed")]:
         with pytest.raises(ValueError, match=msg):
             next(stream_generate(model, tok, "hi", max_tokens=5, **({"temp": 1.0} | kw)))

@@ -72,3 +72,36 @@ def test_stochastic_drafts_keep_the_distribution():
         ok = [d for d in drafts if rng.random() < min(1.0, p[d] / q[d])]
         naive[ok[0] if ok else rng.choice(5, p=p)] += 1
     assert chisquare(naive, p * n / 4).pvalue < 0.01
+
+
+def test_coupled_rule_has_the_residual_rules_law():
+    """verify_coupled with fresh uniforms: the first emitted token follows p, and which
+    child is accepted has verify_sample's probabilities (p(c1), then the residual's)."""
+    from scipy.stats import chisquare
+
+    from mlx_stream.verify import verify_coupled
+
+    t = build_tree([(0,), (1,), (0, 0)])
+    p = np.array([0.1, 0.5, 0.3, 0.1])
+    probs = np.stack([p, [0, 0, 0, 1.0], p, p])
+    rng = np.random.default_rng(3)
+    n = 40000
+    first, accepted = np.zeros(4), np.zeros(3)
+    for _ in range(n):
+        path, nxt = verify_coupled(t, [0, 1, 2, 3], probs, rng.random(3))
+        first[[0, 1, 2, 3][path[1]] if len(path) > 1 else nxt] += 1
+        accepted[path[1] if len(path) > 1 else 0] += 1
+        if len(path) > 1 and path[1] == 1:  # node 1's target surely emits 3, drafted at node 3
+            assert path == [0, 1, 3]
+    assert chisquare(first, p * n).pvalue > 0.01
+    # child 1 (token 1) w.p. 0.5, child 2 (token 2) w.p. 0.5 * 0.3 / 0.5, none otherwise
+    assert chisquare(accepted, np.array([0.2, 0.5, 0.3]) * n).pvalue > 0.01
+
+
+def test_sample_index_never_draws_zero_weight():
+    from mlx_stream.verify import sample_index
+
+    p = np.array([0.0, 0.25, 0.0, 0.75, 0.0])
+    assert sample_index(p, 0.0) == 1 and sample_index(p, 0.2499) == 1
+    assert sample_index(p, 0.25) == 3 and sample_index(p, 0.999999) == 3
+    assert sample_index(p, np.nextafter(1.0, 0)) == 3

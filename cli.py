@@ -259,14 +259,14 @@ def bench(
     top_k: int = _TOP_K,
     min_p: float = _MIN_P,
     seed: int = typer.Option(0, "--seed", help="Prompt i is sampled with seed + i (both sides)."),
-    out: Optional[str] = typer.Option(None, "--out", help="Write report.json into this folder."),
+    out: Optional[str] = typer.Option(None, "--out", help="Write report.json, report.md and report.png into this folder."),
 ):
     """Side-by-side against plain mlx-lm (same weights, one process, interleaved);
     greedy by default (identity checked), or sampled with the same settings."""
     from pathlib import Path
 
     from mlx_stream import OracleDrafter
-    from mlx_stream.bench import compare, forward_cost, load_prompts, load_spec_bench, summary
+    from mlx_stream.bench import compare, environment, forward_cost, load_prompts, load_spec_bench, summary, write_report
     from mlx_stream.env import openblas_loaded
     from mlx_stream.tree import parse_tree
 
@@ -301,14 +301,26 @@ def bench(
     cost = forward_cost(m)
     typer.echo("c(N) = " + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items() if n != "t1_ms")
                + f"  (1-token forward {cost['t1_ms']:.1f} ms)")
-    show = lambda r: typer.echo(  # noqa: E731
-        f"prompt {r.prompt:3d}: {r.tokens:4d} tokens  plain {r.plain_tps:6.1f} tok/s  "
-        f"mlx-stream {r.spec_tps:6.1f} tok/s  x{r.speedup:.2f}  tau {r.tau:.2f}  "
-        f"{'sampled' if r.identical is None else 'identical' if r.identical else 'DIFFERENT'}")
-    res = summary(compare(m, tok, texts, max_tokens, make_drafter=make, tree=tree, progress=show,
-                          sampling=sampling, seed=seed), groups)
-    res.update({"model": model, "drafter": drafter, "tree": tree, "dtype": dtype, "max_tokens": max_tokens,
-                "sampling": sampling, "seed": seed,
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("bench", total=len(texts))
+
+        def show(r):
+            bar.console.print(
+                f"prompt {r.prompt:3d}: {r.tokens:4d} tokens  plain {r.plain_tps:6.1f} tok/s  "
+                f"mlx-stream {r.spec_tps:6.1f} tok/s  x{r.speedup:.2f}  tau {r.tau:.2f}  "
+                f"{'sampled' if r.identical is None else 'identical' if r.identical else 'DIFFERENT'}",
+                highlight=False)
+            bar.advance(task)
+
+        res = summary(compare(m, tok, texts, max_tokens, make_drafter=make, tree=tree, progress=show,
+                              sampling=sampling, seed=seed), groups)
+    res.update({"model": model, "heads": heads if m.heads is not None else None, "drafter": drafter,
+                "tree": tree, "dtype": dtype, "max_tokens": max_tokens, "sampling": sampling, "seed": seed,
+                "command": "mlx-stream " + " ".join(sys.argv[1:]), "environment": environment(dtype),
                 "openblas": openblas_loaded(), "forward_cost": {str(k): v for k, v in cost.items()}})
     typer.echo(f"median speedup x{res['median_speedup']:.2f}, median tau {res['median_tau']:.2f}, "
                f"identical {res['identical'] if res['identical'] is not None else 'n/a'}/{res['prompts']}, plain {res['median_plain_tps']:.1f} tok/s, "
@@ -316,8 +328,11 @@ def bench(
     for g, v in res.get("per_group", {}).items():
         typer.echo(f"  {g:16s} speedup x{v['median_speedup']:.2f}  tau {v['median_tau']:.2f}  ({v['prompts']} prompts)")
     if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "report.json").write_text(json.dumps(res, indent=2))
+        try:
+            paths = write_report(res, out)
+        except OSError as e:
+            _fail(f"cannot write the report into {out}: {e}")
+        typer.echo("wrote " + ", ".join(str(p) for p in paths))
 
 
 @app.command()

@@ -327,3 +327,103 @@ def decode_items_in_processes(model_spec: str, heads, dtype: str, items: Sequenc
             raise RuntimeError("a decoding worker failed (its error is printed above)")
         parts = [json.loads(Path(p).read_text()) for p in paths]
     return [parts[i % workers][i // workers] for i in range(len(items))]
+
+
+def environment(dtype: str | None = None) -> dict:
+    """What the numbers depend on: machine, OS, Python, MLX device, BLAS (Linux:
+    OpenBLAS preloaded or the wheel's reference BLAS, and its thread count), dtype and
+    package versions."""
+    import os
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .env import openblas_loaded
+
+    def ver(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    if platform.system() == "Darwin":
+        blas = "Accelerate"
+    elif openblas_loaded():
+        blas = f"OpenBLAS (OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')})"
+    else:
+        blas = "reference BLAS (slow: see the README's CPU fast path)"
+    return {
+        "machine": platform.machine(), "processor": platform.processor() or None, "cpus": os.cpu_count(),
+        "os": platform.platform(), "python": platform.python_version(), "device": str(mx.default_device()),
+        "blas": blas, "dtype": dtype,
+        "versions": {n: ver(n) for n in ("mlx", "mlx-lm", "mlx-stream", "numpy")},
+    }
+
+
+def write_report(res: dict, out: str | Path) -> list[Path]:
+    """Write ``report.json``, ``report.md`` and ``report.png`` (tau and speedup per task
+    group, tokens/s distributions of both sides) for a :func:`summary` result extended
+    with the run's settings; each file is written to a temporary name, then renamed.
+    Returns the paths written."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def put(name: str, write) -> Path:
+        path = out / name
+        tmp = out / f".{name}.tmp"
+        write(tmp)
+        os.replace(tmp, path)
+        return path
+
+    env = res.get("environment", {})
+    ident = "n/a (sampled)" if res.get("identical") is None else f"{res['identical']}/{res['prompts']}"
+    lines = [
+        "# mlx-stream bench", "",
+        f"- model `{res.get('model')}`, heads `{res.get('heads')}`, drafter `{res.get('drafter')}`, "
+        f"tree `{res.get('tree')}`, dtype {res.get('dtype')}, max_tokens {res.get('max_tokens')}, "
+        f"sampling {res.get('sampling') or 'greedy'}",
+        f"- machine: {env.get('machine')}, {env.get('cpus')} CPUs, {env.get('os')}; device {env.get('device')}; "
+        f"BLAS {env.get('blas')}; versions {env.get('versions')}",
+        f"- command: `{res.get('command', '')}`", "",
+        "| | prompts | speedup (median) | tau (median) | plain tok/s | mlx-stream tok/s | identical |",
+        "|---|---|---|---|---|---|---|",
+        f"| all | {res['prompts']} | {res['median_speedup']:.2f}x | {res['median_tau']:.2f} | "
+        f"{res['median_plain_tps']:.1f} | {res['median_spec_tps']:.1f} | {ident} |",
+    ]
+    for g, v in res.get("per_group", {}).items():
+        gi = "n/a" if v.get("identical") is None else f"{v['identical']}/{v['prompts']}"
+        lines.append(f"| {g} | {v['prompts']} | {v['median_speedup']:.2f}x | {v['median_tau']:.2f} | "
+                     f"{v['median_plain_tps']:.1f} | {v['median_spec_tps']:.1f} | {gi} |")
+    if "forward_cost" in res:
+        lines += ["", "c(N), an N-token forward relative to a 1-token one: "
+                  + ", ".join(f"{k}: {v:.2f}" for k, v in res["forward_cost"].items() if k != "t1_ms")]
+    lines += ["", "![tau and speedup](report.png)", ""]
+    written = [put("report.json", lambda p: p.write_text(json.dumps(res, indent=2))),
+               put("report.md", lambda p: p.write_text("\n".join(lines)))]
+
+    groups = res.get("per_group") or {"all": res}
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(groups)
+    x = range(len(names))
+    a1.bar([i - 0.2 for i in x], [groups[g]["median_tau"] for g in names], 0.4, label="tau")
+    a1.bar([i + 0.2 for i in x], [groups[g]["median_speedup"] for g in names], 0.4, label="speedup")
+    a1.axhline(1.0, color="grey", lw=0.8)
+    a1.set_xticks(list(x), names, rotation=30, ha="right")
+    a1.set_title("median per task group")
+    a1.legend()
+    plain = [r["plain_tps"] for r in res["results"]]
+    spec = [r["spec_tps"] for r in res["results"]]
+    a2.hist([plain, spec], bins=15, label=["plain mlx-lm", "mlx-stream"])
+    a2.set_xlabel("generation tokens/s")
+    a2.set_title("per prompt")
+    a2.legend()
+    fig.tight_layout()
+    written.append(put("report.png", lambda p: fig.savefig(p, format="png", dpi=110)))
+    plt.close(fig)
+    return written

@@ -169,3 +169,20 @@ def test_train_refuses_msa_and_unknown_architectures(tmp_path, tiny_dir):
         r = run("train", "--model", str(tiny_dir), "--out", str(tmp_path / arch), "--architecture", arch)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
         assert not (tmp_path / arch).exists()
+
+
+def test_bench_writes_report_and_plot(tiny_dir, tmp_path):
+    out = tmp_path / "bench"
+    r = run("bench", "--model", str(tiny_dir), "--drafter", "oracle", "-n", "2", "--max-tokens", "8",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / "report.json").read_text())
+    assert res["prompts"] == 2 and res["identical"] == 2 and res["environment"]["blas"]
+    assert "| all | 2 |" in (out / "report.md").read_text()
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(out.glob(".*.tmp"))
+    r = run("bench", "--model", str(tiny_dir), "-n", "1", "--max-tokens", "8", "--temp", "0.8", "--top-k", "5",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / "report.json").read_text())
+    assert res["identical"] is None and res["sampling"]["top_k"] == 5

@@ -9,53 +9,59 @@ Either way the output is unchanged: a plain step is the same loop with a root-on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 
 @dataclass
 class SpeculationPolicy:
     """Chooses, step by step, between drafting and plain decoding, by measured throughput.
 
-    Keeps exponential moving averages of the wall time of a drafting step and of a
-    plain step (seconds, drafting and verification included) and of the tokens a
-    drafting step emits, and drafts when ``tokens / t_draft >= 1 / t_plain``, i.e.
-    when the measured tau of drafting steps covers their measured relative cost (the
-    online form of the tau / c(N) criterion; cf. dynamic speculation lookahead,
-    Mamou et al. 2024, and "SmartSpec", Liu et al. 2024). The losing mode is still
-    tried every ``explore_every`` steps, so the estimates follow drift; plain decoding
-    is not re-tried while drafting wins by more than ``sure_margin``.
+    Keeps the last ``window`` wall times of drafting steps and of plain steps (seconds,
+    drafting and verification included) and a moving average (weight ``decay``) of the
+    tokens a drafting step emits, and drafts when ``tokens / median t_draft >= 1 /
+    median t_plain``, i.e. when the
+    measured tau of drafting steps covers their measured relative cost (the online form
+    of the tau / c(N) criterion; cf. dynamic speculation lookahead, Mamou et al. 2024,
+    and "SmartSpec", Liu et al. 2024). The first ``warmup`` steps alternate the two
+    modes and the first observation of each mode is dropped (one-time costs); after
+    that the losing mode is still tried every ``explore_every`` steps, so the estimates
+    follow drift; plain decoding is not re-tried while drafting wins by more than
+    ``sure_margin``. Medians make one slow step (another process, a page fault) harmless.
 
     Attributes:
         explore_every: steps between tries of the mode not chosen.
-        decay: weight of a new observation in the moving averages, in (0, 1].
+        window: observations kept per mode.
+        warmup: initial steps that alternate drafting and plain decoding.
+        decay: weight of a new drafting step in the tokens' moving average, in (0, 1].
         sure_margin: drafting throughput over plain throughput above which plain
             steps are no longer tried.
     """
 
     explore_every: int = 16
-    decay: float = 0.25
+    window: int = 8
+    warmup: int = 6
+    decay: float = 0.3
     sure_margin: float = 1.5
-    t_draft: float | None = None
-    t_plain: float | None = None
+    t_draft: list = field(default_factory=list)
+    t_plain: list = field(default_factory=list)
     tokens: float | None = None
     _since_explore: int = 0
     _step: int = 0
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.decay * (new - old)
+    _seen: set = field(default_factory=set)
 
     def advantage(self) -> float | None:
         """Drafting's throughput over plain decoding's, or None until both were timed."""
-        if self.t_draft is None or self.t_plain is None or self.tokens is None:
+        if not self.t_draft or not self.t_plain:
             return None
-        return (self.tokens / self.t_draft) * self.t_plain
+        return self.tokens / statistics.median(self.t_draft) * statistics.median(self.t_plain)
 
     def use_drafts(self) -> bool:
         """Whether the next step sends the drafts to the forward pass."""
         self._step += 1
         adv = self.advantage()
-        if adv is None:  # time one drafting step, then one plain step
-            return self.t_draft is None
+        if self._step <= self.warmup or adv is None:
+            return self._step % 2 == 1
         best = adv >= 1.0
         self._since_explore += 1
         if self._since_explore >= self.explore_every and (not best or adv < self.sure_margin):
@@ -66,7 +72,11 @@ class SpeculationPolicy:
     def observe(self, drafted: bool, seconds: float, tokens: int) -> None:
         """Record one step: whether it drafted, its wall time (s) and the tokens it emitted."""
         if drafted:
-            self.t_draft = self._ema(self.t_draft, seconds)
-            self.tokens = self._ema(self.tokens, float(tokens))
+            self.tokens = tokens if self.tokens is None else self.tokens + self.decay * (tokens - self.tokens)
+        if drafted not in self._seen:  # the first step of each mode pays one-time costs
+            self._seen.add(drafted)
+            return
+        if drafted:
+            self.t_draft = (self.t_draft + [seconds])[-self.window:]
         else:
-            self.t_plain = self._ema(self.t_plain, seconds)
+            self.t_plain = (self.t_plain + [seconds])[-self.window:]

@@ -30,6 +30,11 @@ _TREE = typer.Option(
     None, "--tree",
     help="Draft tree: 'sparse' (default), 'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'.",
 )
+_LOOKUP = typer.Option(
+    None, "--prompt-lookup",
+    help="Tokens drafted by prompt lookup (copying the context's continuation of its last 2-3 tokens) "
+         "on top of the heads' tree; 0 turns it off. Default: 4 with heads, 0 without.",
+)
 _TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
 _SEED = typer.Option(None, "--seed", help="Seed for sampling: same seed and settings, same output.")
 _TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]; 1 disables it.")
@@ -45,7 +50,8 @@ def _fail(msg: str) -> None:
 
 
 def _check_params(max_tokens: int, temp: float, tree: str | None, top_p: float = 1.0, top_k: int = 0,
-                  min_p: float = 0.0, repetition_penalty: float | None = None) -> dict:
+                  min_p: float = 0.0, repetition_penalty: float | None = None,
+                  prompt_lookup: int | None = None) -> dict:
     """Refuse bad parameters before anything is loaded; return the sampling keyword
     arguments of :func:`mlx_stream.stream_generate`."""
     import math
@@ -60,6 +66,8 @@ def _check_params(max_tokens: int, temp: float, tree: str | None, top_p: float =
         check_generation(max_tokens, SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p))
         if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
             raise ValueError(f"--repetition-penalty must be a number > 0 (1 = none), got {repetition_penalty}")
+        if prompt_lookup is not None and prompt_lookup < 0:
+            raise ValueError(f"--prompt-lookup must be >= 0 (0: off), got {prompt_lookup}")
         if tree is not None:
             parse_tree(tree, 1 << 10)  # syntax only; the depth is checked against the heads later
     except ValueError as e:
@@ -102,6 +110,7 @@ def generate(
     repetition_penalty: Optional[float] = _REP,
     seed: Optional[int] = _SEED,
     tree: Optional[str] = _TREE,
+    prompt_lookup: Optional[int] = _LOOKUP,
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt for the chat template."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
@@ -112,7 +121,7 @@ def generate(
     """Generate a completion for one prompt."""
     from mlx_stream.generate import stream_generate
 
-    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, repetition_penalty)
+    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, repetition_penalty, prompt_lookup)
     if prompt == "-":
         prompt = sys.stdin.read()
     _blas_hint()
@@ -124,7 +133,8 @@ def generate(
             text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         ids = tok.encode(text, add_special_tokens=tok.bos_token is None or not text.startswith(tok.bos_token))
         pieces, tokens, lps, last = [], [], [], None
-        for last in stream_generate(m, tok, ids, max_tokens=max_tokens, tree=tree, stop=stop, seed=seed, **sampling):
+        for last in stream_generate(m, tok, ids, max_tokens=max_tokens, tree=tree, stop=stop, seed=seed,
+                                    prompt_lookup=prompt_lookup, **sampling):
             pieces.append(last.text)
             tokens.extend(last.tokens)
             lps.extend(last.logprobs)
@@ -161,13 +171,14 @@ def chat(
     repetition_penalty: Optional[float] = _REP,
     seed: Optional[int] = _SEED,
     tree: Optional[str] = _TREE,
+    prompt_lookup: Optional[int] = _LOOKUP,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     dtype: str = _DTYPE,
 ):
     """Multi-turn chat; the KV cache is reused across turns. /reset clears, /exit quits."""
     from mlx_stream.generate import PromptCache, stream_generate
 
-    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, repetition_penalty)
+    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, repetition_penalty, prompt_lookup)
     _blas_hint()
     try:
         m, tok = _load(model, heads, no_heads, dtype)
@@ -205,8 +216,8 @@ def chat(
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         reply, last = [], None
         try:
-            for last in stream_generate(m, tok, prompt, max_tokens=max_tokens, tree=tree,
-                                        seed=seed, prompt_cache=cache, **sampling):
+            for last in stream_generate(m, tok, prompt, max_tokens=max_tokens, tree=tree, seed=seed,
+                                        prompt_cache=cache, prompt_lookup=prompt_lookup, **sampling):
                 reply.append(last.text)
                 typer.echo(last.text, nl=False)
         except KeyboardInterrupt:
@@ -253,6 +264,7 @@ def bench(
     per_group: int = typer.Option(8, "--per-group", help="With --prompts spec-bench: the first N questions of each of the 6 task groups."),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     tree: Optional[str] = _TREE,
+    prompt_lookup: Optional[int] = _LOOKUP,
     dtype: str = _DTYPE,
     temp: float = _TEMP,
     top_p: float = _TOP_P,
@@ -272,7 +284,7 @@ def bench(
 
     if drafter not in ("heads", "oracle"):
         _fail(f"unknown drafter {drafter!r}: use heads or oracle")
-    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p)
+    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, prompt_lookup=prompt_lookup)
     sampling.pop("logits_processors")
     if drafter == "oracle" and temp > 0:
         _fail("--drafter oracle drafts the greedy output: use it with --temp 0")
@@ -317,9 +329,9 @@ def bench(
             bar.advance(task)
 
         res = summary(compare(m, tok, texts, max_tokens, make_drafter=make, tree=tree, progress=show,
-                              sampling=sampling, seed=seed), groups)
+                              sampling=sampling, seed=seed, prompt_lookup=prompt_lookup), groups)
     res.update({"model": model, "heads": heads if m.heads is not None else None, "drafter": drafter,
-                "tree": tree, "dtype": dtype, "max_tokens": max_tokens, "sampling": sampling, "seed": seed,
+                "tree": tree, "prompt_lookup": prompt_lookup, "dtype": dtype, "max_tokens": max_tokens, "sampling": sampling, "seed": seed,
                 "command": "mlx-stream " + " ".join(sys.argv[1:]), "environment": environment(dtype),
                 "openblas": openblas_loaded(), "forward_cost": {str(k): v for k, v in cost.items()}})
     typer.echo(f"median speedup x{res['median_speedup']:.2f}, median tau {res['median_tau']:.2f}, "
@@ -408,6 +420,7 @@ def eval_heads(
     per_group: Optional[int] = typer.Option(None, "--per-group", help="First N questions of each task group."),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     tree: Optional[str] = _TREE,
+    prompt_lookup: Optional[int] = _LOOKUP,
     dtype: str = _DTYPE,
     out: Optional[str] = typer.Option(None, "--out", help="Write the result as JSON to this file."),
     workers: int = typer.Option(1, "--workers", help="Decoding processes (2 suits a 2-core CPU)."),
@@ -419,7 +432,7 @@ def eval_heads(
 
     from mlx_stream.loader import default_heads_path
 
-    _check_params(max_tokens, 0.0, tree)
+    _check_params(max_tokens, 0.0, tree, prompt_lookup=prompt_lookup)
     if workers < 1:
         _fail(f"--workers must be >= 1, got {workers}")
     path = Path("../shared/data/spec_bench/question.jsonl") if prompts == "spec-bench" else Path(prompts)
@@ -434,11 +447,12 @@ def eval_heads(
         spec = None if m.heads is None else (default_heads_path(model) if heads == "auto" else heads)
         del m, tok
         try:
-            res = pool_tau(decode_items_in_processes(model, spec, dtype, items, max_tokens, tree, workers))
+            res = pool_tau(decode_items_in_processes(model, spec, dtype, items, max_tokens, tree, workers,
+                                                     prompt_lookup))
         except RuntimeError as e:
             _fail(str(e))
     else:
-        res = tau_by_category(m, tok, items, max_tokens, tree,
+        res = tau_by_category(m, tok, items, max_tokens, tree, prompt_lookup=prompt_lookup,
                               progress=lambda k, s: typer.echo(f"{k}/{len(items)}  tau so far {s['tau']:.3f}", err=True))
     for key, v in res.items():
         typer.echo(f"{key:28s} tau {v['tau']:.3f}  ({v['prompts']} prompts)")

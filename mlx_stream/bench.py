@@ -127,6 +127,7 @@ def compare(
     progress: Callable[[PromptResult], None] | None = None,
     sampling: dict | None = None,
     seed: int = 0,
+    prompt_lookup: int | None = None,
 ) -> list[PromptResult]:
     """Decoding of each prompt (through the chat template) by plain
     ``mlx_lm.stream_generate`` and by :func:`mlx_stream.stream_generate`, interleaved.
@@ -138,6 +139,7 @@ def compare(
             ``temp == 0``): plain mlx-lm samples with ``make_sampler`` of the same
             settings, seeded with ``seed + i`` for prompt i, as is mlx-stream.
             Identity is checked only when greedy.
+        prompt_lookup: as :func:`mlx_stream.stream_generate` (None: its default).
     """
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
@@ -157,7 +159,7 @@ def compare(
     warm = chat_ids("Hello")
     for _ in mlx_lm.stream_generate(model, tokenizer, mx.array(warm), max_tokens=8):
         pass
-    for _ in stream_generate(model, tokenizer, warm, max_tokens=8, tree=tree):
+    for _ in stream_generate(model, tokenizer, warm, max_tokens=8, tree=tree, prompt_lookup=prompt_lookup):
         pass
     results = []
     for i, p in enumerate(prompts):
@@ -172,7 +174,7 @@ def compare(
         drafter = make_drafter(ids, ref) if make_drafter else None
         got, last = [], None
         for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, tree=tree, drafter=drafter,
-                                    seed=seed + i, **sampling):
+                                    seed=seed + i, prompt_lookup=prompt_lookup, **sampling):
             got.extend(last.tokens)
         res = PromptResult(i, len(got), plain_tps, last.generation_tps, last.tau, got == ref if greedy else None)
         results.append(res)
@@ -237,11 +239,12 @@ def load_spec_bench(path: str | Path, per_group: int | None = None) -> list[dict
 
 
 def decode_items(model, tokenizer, items: Sequence[dict], max_tokens: int = 128, tree=None,
-                 progress: Callable[[dict], None] | None = None) -> list[dict]:
+                 progress: Callable[[dict], None] | None = None, prompt_lookup: int | None = None) -> list[dict]:
     """Greedy generation over ``items`` (``{"prompt", "group", "category"}``, through the
-    chat template). Returns one row per item: the item's labels plus ``tokens`` (made
-    after the first), ``forward_passes`` (decoding passes) and ``skipped`` (True when
-    the prompt and ``max_tokens`` do not fit in the context window)."""
+    chat template), drafting at every step (adaptive speculation off: tau measures the
+    drafts, not the policy). Returns one row per item: the item's labels plus ``tokens``
+    (made after the first), ``forward_passes`` (decoding passes) and ``skipped`` (True
+    when the prompt and ``max_tokens`` do not fit in the context window)."""
     from .generate import stream_generate
 
     ctx = model.context_length
@@ -253,7 +256,8 @@ def decode_items(model, tokenizer, items: Sequence[dict], max_tokens: int = 128,
             row["skipped"] = True
         else:
             last = None
-            for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, tree=tree):
+            for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, tree=tree, adaptive=False,
+                                        prompt_lookup=prompt_lookup):
                 pass
             row["tokens"], row["forward_passes"] = last.tau * last.forward_passes, last.forward_passes
         rows.append(row)
@@ -281,7 +285,7 @@ def pool_tau(rows: Sequence[dict]) -> dict:
 
 
 def tau_by_category(model, tokenizer, items: Sequence[dict], max_tokens: int = 128, tree=None,
-                    progress: Callable[[int, dict], None] | None = None) -> dict:
+                    progress: Callable[[int, dict], None] | None = None, prompt_lookup: int | None = None) -> dict:
     """Greedy generation over ``items``; tau overall, per task group and per category
     (:func:`decode_items` then :func:`pool_tau`)."""
     done: list[dict] = []
@@ -291,18 +295,20 @@ def tau_by_category(model, tokenizer, items: Sequence[dict], max_tokens: int = 1
         if progress:
             progress(len(done), pool_tau(done)["all"] if any(not r["skipped"] for r in done) else {"tau": 0.0})
 
-    return pool_tau(decode_items(model, tokenizer, items, max_tokens, tree, step))
+    return pool_tau(decode_items(model, tokenizer, items, max_tokens, tree, step, prompt_lookup))
 
 
-def _decode_worker(model_spec: str, heads, dtype: str, items, max_tokens: int, tree, path: str) -> None:
+def _decode_worker(model_spec: str, heads, dtype: str, items, max_tokens: int, tree, path: str,
+                   prompt_lookup: int | None) -> None:
     from .loader import load
 
     model, tokenizer = load(model_spec, heads=heads, dtype=dtype)
-    Path(path).write_text(json.dumps(decode_items(model, tokenizer, items, max_tokens, tree)))
+    rows = decode_items(model, tokenizer, items, max_tokens, tree, prompt_lookup=prompt_lookup)
+    Path(path).write_text(json.dumps(rows))
 
 
 def decode_items_in_processes(model_spec: str, heads, dtype: str, items: Sequence[dict], max_tokens: int,
-                              tree, workers: int) -> list[dict]:
+                              tree, workers: int, prompt_lookup: int | None = None) -> list[dict]:
     """:func:`decode_items` split over ``workers`` spawned processes (item i goes to
     worker i mod workers; each loads the model itself), rows back in item order. On a
     2-core CPU two single-threaded processes nearly double the throughput.
@@ -317,7 +323,8 @@ def decode_items_in_processes(model_spec: str, heads, dtype: str, items: Sequenc
     with tempfile.TemporaryDirectory() as tmp:
         paths = [f"{tmp}/{w}.json" for w in range(workers)]
         procs = [ctx.Process(target=_decode_worker, daemon=True,
-                             args=(model_spec, heads, dtype, list(items[w::workers]), max_tokens, tree, paths[w]))
+                             args=(model_spec, heads, dtype, list(items[w::workers]), max_tokens, tree, paths[w],
+                                   prompt_lookup))
                  for w in range(workers)]
         for pr in procs:
             pr.start()

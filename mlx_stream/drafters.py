@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 import mlx.core as mx
 
-from .tree import Tree, no_drafts
+from .tree import Tree, build_tree, no_drafts
 
 
 class Drafter(Protocol):
@@ -195,3 +195,82 @@ class OracleDrafter:
             shift = r + (1 if self.wrong else 0)
             out.append((true + shift) % self.vocab_size)
         return mx.array(out, dtype=mx.int32)
+
+
+class LookupDrafter:
+    """A drafter plus prompt lookup: the context's own continuation grafted into its tree.
+
+    Each step the base drafter fills its static tree; then the tokens that followed the
+    latest earlier occurrence of the context's longest repeated suffix (``max_ngram``
+    down to ``min_ngram`` tokens; :func:`~mlx_stream.lookup.prompt_lookup`) are merged
+    into it as a chain under the root, sharing any prefix the tree already drafted
+    (:func:`~mlx_stream.lookup.graft_chain`). The chain grows with the match (2 (n - 1)
+    tokens after an n-token match, at most ``num_draft``). The tree therefore changes
+    from step to step; a step without a match drafts the base tree alone. Verification
+    is unchanged (any tree of distinct siblings), so output stays lossless, greedy and
+    sampled.
+
+    Args:
+        base: the drafter whose tree the chain joins (:class:`HeadsDrafter`, or
+            :class:`NoDrafter` for prompt lookup alone).
+        num_draft: the longest chain, in tokens (>= 1).
+        max_ngram, min_ngram: suffix lengths matched.
+
+    Raises:
+        ValueError: bad lengths.
+    """
+
+    def __init__(self, base, num_draft: int = 10, max_ngram: int = 6, min_ngram: int = 2):
+        if num_draft < 1 or min_ngram < 1 or max_ngram < min_ngram:
+            raise ValueError(f"prompt lookup needs num_draft >= 1 and 1 <= min_ngram <= max_ngram, "
+                             f"got {num_draft}, {min_ngram}, {max_ngram}")
+        self.base = base
+        self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
+        self.capture = getattr(base, "capture", None)
+        self._trees: dict = {}  # merged shapes seen so far (a handful per base tree)
+
+    @property
+    def tree(self) -> Tree:
+        """The base drafter's static tree (the part drafted every step)."""
+        return self.base.tree
+
+    def propose(self, hidden, tokens, max_depth: int, mid=None, cache=None,
+                base: bool = True) -> tuple[Tree, mx.array]:
+        """The step's tree and its ``(N - 1,)`` drafts, at most ``max_depth`` deep;
+        ``base=False`` leaves the base drafter's tree out (the lookup chain alone)."""
+        from .lookup import graft_chain, prompt_lookup
+
+        tree, drafts = propose(self.base, hidden, tokens, max_depth, mid, cache, base=base)
+        chain_ = prompt_lookup(tokens, min(self.num_draft, max_depth), self.max_ngram, self.min_ngram)
+        if not chain_:
+            return tree, drafts
+        choices, fill = graft_chain(tree, [tokens[-1]] + drafts.tolist(), chain_)
+        key = tuple(choices)
+        merged = self._trees.get(key)
+        if merged is None:
+            merged = self._trees[key] = build_tree(choices)
+        return merged, mx.array([fill[c] for c in merged.choices], dtype=mx.int32)
+
+
+def propose(drafter, hidden, tokens, max_depth: int, mid=None, cache=None,
+            base: bool = True) -> tuple[Tree, mx.array]:
+    """One step's draft tree and tokens from any drafter, at most ``max_depth`` deep.
+
+    Drafters with a ``propose`` method (trees that change per step, like
+    :class:`LookupDrafter`) answer themselves; static drafters fill ``drafter.tree``
+    truncated to ``max_depth``. ``base=False`` drops the static tree (a plain step,
+    plus whatever a dynamic drafter adds on its own).
+
+    Returns:
+        ``(tree, drafts)``: ``drafts`` is ``(tree.size - 1,)`` int32 in node order.
+    """
+    if hasattr(drafter, "propose"):
+        return drafter.propose(hidden, tokens, max_depth, mid=mid, cache=cache, base=base)
+    tree = drafter.tree.truncate(max_depth if base else 0)
+    if tree.size == 1:
+        return tree, mx.zeros((0,), dtype=mx.int32)
+    if getattr(drafter, "capture", None) is None:
+        drafts = drafter.draft(hidden, tokens)
+    else:
+        drafts = drafter.draft(hidden, tokens, mid=mid, cache=cache)
+    return tree, drafts[: tree.size - 1].astype(mx.int32)

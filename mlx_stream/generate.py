@@ -18,10 +18,12 @@ import numpy as np
 
 from .adaptive import SpeculationPolicy
 from .cache import cache_offset, keep_path, make_tree_cache, trim_cache
-from .drafters import Drafter, HeadsDrafter, NoDrafter
+from .drafters import Drafter, HeadsDrafter, LookupDrafter, NoDrafter, propose
 from .sampling import LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .tree import Tree, no_drafts, parse_tree
 from .verify import verify_coupled, verify_greedy
+
+PROMPT_LOOKUP = 10  # default prompt-lookup chain with heads (README: "Prompt lookup")
 
 
 @dataclass
@@ -198,6 +200,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     verifier: Callable | None = None,
     adaptive: bool | None = None,
+    prompt_lookup: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with Speculative Streaming, yielding one response per decoding step.
 
@@ -234,6 +237,13 @@ def stream_generate(
             :class:`~mlx_stream.adaptive.SpeculationPolicy`); the output is the same
             either way. None: on when drafting with the model's heads, off for a
             custom ``drafter``.
+        prompt_lookup: the most tokens drafted per step by prompt lookup (a copy of
+            what followed the context's longest repeated suffix, 2 (n - 1) tokens after
+            an n-token match), grafted into the heads' tree
+            (:class:`~mlx_stream.drafters.LookupDrafter`) at every step with a match,
+            whatever adaptive speculation decides for the heads; 0 turns it off.
+            None: ``PROMPT_LOOKUP`` with the model's heads, 0 without. Ignored with a
+            custom ``drafter``.
 
     Yields:
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
@@ -261,6 +271,9 @@ def stream_generate(
         )
     if adaptive is None:
         adaptive = drafter is None
+    if prompt_lookup is not None and (isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int)
+                                      or prompt_lookup < 0):
+        raise ValueError(f"prompt_lookup must be an integer >= 0 (0: off) or None, got {prompt_lookup!r}")
     if drafter is None:
         if model.heads is not None:
             if tree is None and model.heads.config.tree:
@@ -268,6 +281,10 @@ def stream_generate(
             drafter = HeadsDrafter(model, parse_tree(tree, model.heads.num_heads))
         else:
             drafter = NoDrafter()
+        if prompt_lookup is None:
+            prompt_lookup = PROMPT_LOOKUP if model.heads is not None else 0
+        if prompt_lookup:
+            drafter = LookupDrafter(drafter, prompt_lookup)
     cache = prompt_cache if prompt_cache is not None else PromptCache(model)
     fam, backbone = model.family, model.backbone
     emitter = _Emitter(tokenizer, max_tokens, stop)
@@ -336,17 +353,15 @@ def stream_generate(
 
         # one forward over the tree: verify last step's drafts, draft the next tree
         depth = min(max_tokens - len(emitter.tokens) - 1, room - 1 if room is not None else 1 << 30)
-        t = drafter.tree.truncate(depth)
         step_tic = time.perf_counter()
-        decide = policy is not None and t.size > 1
-        if decide and not policy.use_drafts():
-            t = root
-        if t.size == 1:
-            drafts = mx.zeros((0,), dtype=mx.int32)
-        elif cap is None:
-            drafts = drafter.draft(hidden, tokens)[: t.size - 1]
+        # the policy decides on the static tree; prompt-lookup chains join whenever they match
+        use_tree = depth >= 1 and (policy is None or policy.use_drafts())
+        if depth >= 1:
+            t, drafts = propose(drafter, hidden, tokens, depth, mid, cache.layers if cap is not None else None,
+                                base=use_tree)
         else:
-            drafts = drafter.draft(hidden, tokens, mid=mid, cache=cache.layers)[: t.size - 1]
+            t, drafts = root, mx.zeros((0,), dtype=mx.int32)
+        static = drafter.tree.truncate(depth).size if use_tree else 1
         node_tokens = mx.concatenate([mx.array([y], dtype=mx.int32), drafts.astype(mx.int32)])
         positions = mx.array(start + t.depths, dtype=mx.int32)
         mask = None
@@ -355,8 +370,8 @@ def stream_generate(
         out = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers, capture=cap)
         h, mids = out if cap is not None else (out, None)  # (N, H) each
         path, y, node_list, lps = pick(t, node_tokens, fam.project(backbone, h), tokens)
-        if decide:
-            policy.observe(t.size > 1, time.perf_counter() - step_tic, len(path))
+        if policy is not None and depth >= 1 and t.size == static:  # timings of steps without a chain
+            policy.observe(static > 1, time.perf_counter() - step_tic, len(path))
         keep_path(cache.layers, start, path)
         cache.tokens.extend(node_list[i] for i in path)
         hidden = h[path[-1]]

@@ -1,0 +1,168 @@
+"""Prompt lookup: the n-gram match, grafting into the heads' tree, and the loop with it."""
+
+import numpy as np
+import pytest
+
+from helpers import SelfDrafter, assert_greedy_identical, mlx_lm_greedy, ours
+from mlx_stream import stream_generate
+from mlx_stream.drafters import LookupDrafter, NoDrafter, propose
+from mlx_stream.heads import new_heads
+from mlx_stream.lookup import copy_from, graft_chain, lookup_length, match_suffix, prompt_lookup
+from mlx_stream.tree import build_tree, sparse
+from mlx_stream.verify import verify_greedy
+
+
+def test_latest_match_of_the_longest_suffix_wins():
+    #       0  1  2  3  4  5  6  7  8  9 10
+    toks = [5, 6, 7, 1, 5, 6, 8, 2, 9, 5, 6]
+    # 2-gram (5, 6) occurs at 0 and 4: the latest is copied from index 6
+    assert match_suffix(toks, 3, 2) == (2, 6)
+    assert copy_from(toks, 6, 3) == [8, 2, 9]
+    # a 3-gram match beats a later 2-gram match
+    toks = [1, 5, 6, 7, 3, 9, 5, 6, 4, 1, 5, 6]
+    assert match_suffix(toks, 3, 2) == (3, 3)
+    assert match_suffix(toks, 2, 2) == (2, 8)
+    assert match_suffix(toks, 6, 1) == (3, 3)
+
+
+def test_the_copy_grows_with_the_match():
+    assert [lookup_length(n, 10) for n in range(1, 8)] == [0, 2, 4, 6, 8, 10, 10]
+    assert lookup_length(4, 3) == 3
+    toks = [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 3, 4]  # (3, 4) matched: copy 2 tokens
+    assert prompt_lookup(toks, 10) == [5, 6]
+    toks = [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 2, 3, 4]  # (2, 3, 4) matched: copy 4
+    assert prompt_lookup(toks, 10) == [5, 6, 7, 8]
+    assert prompt_lookup(toks, 3) == [5, 6, 7]
+
+
+def test_no_match_and_limits():
+    assert prompt_lookup([1, 2, 3, 4], 4) == []
+    assert match_suffix([1, 2, 3, 4]) == (0, -1)
+    assert prompt_lookup([1, 2], 4) == []
+    assert prompt_lookup([], 4) == []
+    assert prompt_lookup([1, 2, 1, 2], 0) == []
+    assert prompt_lookup([4, 1, 2, 3, 1, 2], 2, min_ngram=1) == [3, 1]
+    assert match_suffix([4, 1, 2, 3, 2], 3, 1) == (1, 3)
+    assert prompt_lookup([4, 1, 2, 3, 2], 5, min_ngram=1) == []  # a 1-token match copies nothing
+    for bad in [dict(num_draft=-1), dict(num_draft=2, min_ngram=0), dict(num_draft=2, max_ngram=1, min_ngram=2)]:
+        with pytest.raises(ValueError):
+            prompt_lookup([1, 2, 1, 2], **bad)
+
+
+def test_a_loop_is_continued_past_the_end_of_the_context():
+    # period 1 and period 3: the copy runs into the end and keeps repeating
+    assert prompt_lookup([9, 4, 4, 4, 4, 4, 4], 5) == [4, 4, 4, 4, 4]
+    assert copy_from([8, 1, 2, 3, 1, 2, 3, 1, 2], 6, 7) == [3, 1, 2, 3, 1, 2, 3]
+    assert copy_from(np.array([8, 1, 2, 3, 1, 2, 3, 1, 2]), 6, 7) == [3, 1, 2, 3, 1, 2, 3]
+    assert prompt_lookup([8, 1, 2, 3, 1, 2, 3, 1, 2], 7) == [3, 1, 2, 3, 1, 2, 3]
+
+
+def test_graft_shares_the_prefix_and_keeps_siblings_distinct():
+    tree = build_tree([(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    toks = [100] + [10, 11, 20, 21, 30]  # root, then nodes in tree order
+    named = dict(zip(tree.choices, toks[1:]))
+    # the chain's first two tokens are the (0,) -> (0, 1) path; its third is new
+    choices, fill = graft_chain(tree, toks, [10, 21, 40, 41])
+    merged = build_tree(choices)
+    assert merged.size == tree.size + 2
+    assert all(fill[c] == named[c] for c in tree.choices)  # old nodes keep their tokens
+    assert fill[(0, 1, 0)] == 40 and fill[(0, 1, 0, 0)] == 41
+    # a chain that shares nothing hangs under the root as a new last child
+    choices, fill = graft_chain(tree, toks, [12, 13])
+    assert fill[(2,)] == 12 and fill[(2, 0)] == 13
+    # a chain already in the tree adds nothing
+    assert graft_chain(tree, toks, [11, 30])[0] == list(tree.choices)
+    for cs, f in [graft_chain(tree, toks, [10, 21, 40, 41]), graft_chain(tree, toks, [12, 13])]:
+        t = build_tree(cs)
+        node_tokens = [100] + [f[c] for c in t.choices]
+        for kids in t.children:
+            assert len({node_tokens[k] for k in kids}) == len(kids)
+
+
+def test_greedy_verification_of_a_grafted_tree_follows_the_longer_branch():
+    tree = build_tree([(0,)])
+    choices, fill = graft_chain(tree, [1, 7], [7, 8, 9])  # shares the head's draft, then extends it
+    t = build_tree(choices)
+    toks = [1] + [fill[c] for c in t.choices]
+    targets = {1: 7, 7: 8, 8: 9, 9: 5}
+    path, nxt = verify_greedy(t, toks, [targets[x] for x in toks])
+    assert [toks[i] for i in path] == [1, 7, 8, 9] and nxt == 5
+
+
+def test_propose_grafts_only_when_the_context_repeats(tiny):
+    model, tok = tiny
+    d = LookupDrafter(NoDrafter(), num_draft=3)
+    h = np.zeros(model.args.hidden_size, dtype=np.float32)
+    t, drafts = propose(d, h, [4, 5, 6, 7], 8)
+    assert t.size == 1 and drafts.size == 0
+    t, drafts = propose(d, h, [4, 5, 6, 7, 8, 9, 4, 5, 6], 8)  # 3-token match: 3 of 4 allowed
+    assert t.size == 4 and drafts.tolist() == [7, 8, 9]
+    t, drafts = propose(d, h, [4, 5, 6, 7, 8, 9, 4, 5, 6], 2)  # at most max_depth deep
+    assert t.size == 3 and drafts.tolist() == [7, 8]
+    # with heads: base=False leaves the heads' tree out, the chain stays
+    model.heads = new_heads(model.backbone, tok, 2, scale=0.5, seed=3, architecture="hydra")
+    from mlx_stream.drafters import HeadsDrafter
+
+    hd = LookupDrafter(HeadsDrafter(model, sparse(2)), num_draft=3)
+    ctx = [4, 5, 6, 7, 8, 9, 4, 5, 6]
+    hs = np.random.default_rng(0).normal(size=model.args.hidden_size).astype(np.float32)
+    import mlx.core as mx
+
+    t, drafts = propose(hd, mx.array(hs), ctx, 8, base=False)
+    assert t.size == 4 and drafts.tolist() == [7, 8, 9]  # the chain alone (deeper than the heads may go)
+    t, drafts = propose(hd, mx.array(hs), ctx, 8)
+    base, bd = propose(hd.base, mx.array(hs), ctx, 8)
+    node_tokens = [ctx[-1]] + drafts.tolist()
+    paths = [[node_tokens[i] for i in p] for p in t.paths]
+    assert [7, 8, 9] in paths and base.size <= t.size <= base.size + 3
+    base_tokens = [ctx[-1]] + bd.tolist()
+    assert all([base_tokens[i] for i in p] in paths for p in base.paths)  # the heads' tree is kept
+    with pytest.raises(ValueError):
+        LookupDrafter(NoDrafter(), num_draft=0)
+
+
+PROMPTS = ["The quick brown fox", "Speculative decoding drafts", "0123 café", "heads, trees!"]
+
+
+def test_greedy_identity_with_prompt_lookup(tiny):
+    model, tok = tiny
+    for p in PROMPTS:
+        ids = tok.encode(p)
+        ref = mlx_lm_greedy(model, tok, ids, 48)
+        got, rs = ours(model, tok, ids, 48, prompt_lookup=4, adaptive=False)  # lookup alone (no heads)
+        assert got == ref
+        # the tiny random model loops, so the copies are accepted: ~4 drafts per step
+        assert sum(r.accepted for r in rs) >= 30 and rs[-1].tau > 3.5
+        model.heads = new_heads(model.backbone, tok, 3, scale=0.5, seed=3, architecture="hydra")
+        for tree in ("0", sparse(3)):
+            got, rs = ours(model, tok, ids, 48, tree=tree, adaptive=False)  # heads + lookup (the default)
+            assert_greedy_identical(model, ids, got, ref)
+            assert rs[-1].tau > 3.5
+            got, rs = ours(model, tok, ids, 48, tree=tree, prompt_lookup=0, adaptive=False)
+            assert_greedy_identical(model, ids, got, ref)
+        model.heads = None
+
+
+def test_seeded_sampling_with_prompt_lookup_is_plain_sampling(spread_dir):
+    from mlx_stream import load
+
+    model, tok = load(str(spread_dir), dtype="float32")
+    ids = tok.encode("a b a b a b a")
+    accepted = 0
+    for seed in range(6):
+        for kw in (dict(temp=1.0), dict(temp=0.7, top_k=5)):
+            plain, _ = ours(model, tok, ids, 24, seed=seed, **kw)
+            spec, rs = ours(model, tok, ids, 24, seed=seed, prompt_lookup=3, adaptive=False, **kw)
+            assert spec == plain
+            accepted += sum(r.accepted for r in rs)
+            d = LookupDrafter(SelfDrafter(model, build_tree([(0,), (1,)])), num_draft=3)
+            spec, _ = ours(model, tok, ids, 24, seed=seed, drafter=d, **kw)
+            assert spec == plain
+    assert accepted > 0  # copies were accepted, so the grafted branches were verified
+
+
+def test_bad_prompt_lookup(tiny):
+    model, tok = tiny
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prompt_lookup"):
+            next(stream_generate(model, tok, "hi", prompt_lookup=bad))

@@ -238,17 +238,29 @@ def chat(
 
 @app.command()
 def convert(
-    src: str = typer.Argument(..., help="A llama-architecture .gguf file."),
+    src: str = typer.Argument(..., help="A Hugging Face checkpoint folder (Llama 2 or OPT) or a llama-architecture .gguf file."),
     out: str = typer.Option(..., "--out", "-o", help="Output folder (must not exist or be empty)."),
-    dequantize: bool = typer.Option(False, "--dequantize", help="Store float32 weights instead of quantised ones."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="HF checkpoints: float32 | float16 | bfloat16 (default: as stored)."),
+    quantize: bool = typer.Option(False, "--quantize", "-q", help="HF checkpoints: quantise the weights (mlx-lm affine)."),
+    q_bits: int = typer.Option(4, "--q-bits", help="Bits per weight when quantising: 4 or 8."),
+    q_group_size: int = typer.Option(64, "--q-group-size", help="Weights per quantisation group: 32, 64 or 128."),
+    dequantize: bool = typer.Option(False, "--dequantize", help="GGUF: store float32 weights instead of quantised ones."),
 ):
-    """Convert a checkpoint into an mlx-lm model folder (loadable by mlx_lm.load)."""
-    from mlx_stream.convert import convert_gguf
+    """Convert a checkpoint into an mlx-lm model folder (loadable by mlx_lm.load and mlx-stream)."""
+    from pathlib import Path
 
-    if not src.endswith(".gguf"):
-        _fail(f"{src}: only .gguf files are converted for now")
+    from mlx_stream.convert import convert_gguf, convert_hf
+
     try:
-        path = convert_gguf(src, out, dequantize=dequantize)
+        if src.endswith(".gguf"):
+            if quantize or dtype:
+                _fail("--quantize and --dtype apply to Hugging Face checkpoints; a GGUF keeps its own types "
+                      "(--dequantize gives float32)")
+            path = convert_gguf(src, out, dequantize=dequantize)
+        elif Path(src).is_dir():
+            path = convert_hf(src, out, dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size)
+        else:
+            _fail(f"{src}: expected a Hugging Face checkpoint folder or a .gguf file")
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     typer.echo(f"wrote {path}")

@@ -66,6 +66,71 @@ def _unpermute(w: mx.array, n_head: int) -> mx.array:
     )
 
 
+GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+              10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+              17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS",
+              24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16"}
+SUPPORTED_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")  # what mx.load reads exactly
+_KV_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_tensor_types(path: str | Path) -> dict[str, str]:
+    """``{tensor name: GGML type name}`` from a GGUF file's header (versions 2 and 3).
+
+    Raises:
+        ValueError: not a GGUF file, or a truncated or malformed header.
+    """
+    import struct
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        def read(n):
+            b = f.read(n)
+            if len(b) != n:
+                raise ValueError(f"{path}: truncated GGUF header")
+            return b
+
+        def u32():
+            return struct.unpack("<I", read(4))[0]
+
+        def u64():
+            return struct.unpack("<Q", read(8))[0]
+
+        def string():
+            return read(u64()).decode("utf-8", errors="replace")
+
+        def skip_value(t):
+            if t == 8:
+                read(u64())
+            elif t == 9:
+                inner, n = u32(), u64()
+                for _ in range(n):
+                    skip_value(inner)
+            elif t in _KV_SIZES:
+                read(_KV_SIZES[t])
+            else:
+                raise ValueError(f"{path}: malformed GGUF metadata (value type {t})")
+
+        if read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        version = u32()
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        n_tensors, n_kv = u64(), u64()
+        for _ in range(n_kv):
+            string()
+            skip_value(u32())
+        types = {}
+        for _ in range(n_tensors):
+            name = string()
+            for _ in range(u32()):
+                u64()
+            t = u32()
+            u64()
+            types[name] = GGML_TYPES.get(t, f"type {t}")
+        return types
+
+
 def read_gguf(path: str | Path) -> tuple[dict, dict]:
     """Read a GGUF file with MLX.
 
@@ -80,6 +145,17 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: GGUF file not found")
+    # MLX converts some other types to float16 without complaint, not always correctly
+    # (Q4_K, for one, comes out wrong), so the header is checked first
+    bad = {n: t for n, t in gguf_tensor_types(path).items() if t not in SUPPORTED_TYPES}
+    if bad:
+        name, kind = next(iter(bad.items()))
+        kinds = sorted(set(bad.values()))
+        raise ValueError(
+            f"{path}: tensor {name} has type {kind} ({len(bad)} tensors of type {', '.join(kinds)}); "
+            f"supported tensor types are {', '.join(SUPPORTED_TYPES)}: requantise the model to Q8_0 or Q4_0 "
+            "with llama.cpp (llama-quantize --allow-requantize), or convert its Hugging Face checkpoint"
+        )
     try:
         return mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:

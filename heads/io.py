@@ -20,9 +20,9 @@ from .modules import StreamHeads
 
 def output_weight(backbone) -> mx.array:
     """The backbone's output projection as a float ``(V, H)`` matrix (dequantised)."""
-    head = backbone.model.embed_tokens
-    if not getattr(backbone.args, "tie_word_embeddings", True) and hasattr(backbone, "lm_head"):
-        head = backbone.lm_head
+    from mlx_stream.models import family
+
+    head = family(backbone).output_layer(backbone)
     if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         return mx.dequantize(
             head.weight, head.scales.astype(mx.float32), head.biases.astype(mx.float32),
@@ -39,13 +39,15 @@ def backbone_fingerprint(backbone, tokenizer) -> dict:
     digits) and ``weights`` (sha256 of the output projection rounded to float16, so
     the same weights quantised or not give the same value, first 16 hex digits).
     """
+    from mlx_stream.models import family
+
     args = backbone.args
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     tok_hash = hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
     w = np.array(output_weight(backbone).astype(mx.float16))
     return {
         "architecture": backbone.model_type,
-        "hidden_size": int(args.hidden_size),
+        "hidden_size": family(backbone).state_size(backbone),
         "vocab_size": int(args.vocab_size),
         "tokenizer": tok_hash,
         "weights": hashlib.sha256(w.tobytes()).hexdigest()[:16],
@@ -64,11 +66,17 @@ def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed
         ValueError: an unknown ``architecture``, ``num_heads``/``num_layers`` < 1, or
             more ``stream_layers`` than the backbone has.
     """
+    from mlx_stream.models import family
+
+    fam = family(backbone)
+    if architecture == "msa" and not hasattr(fam, "stream_hidden"):
+        raise ValueError(f"msa stream heads need a llama-family backbone, not {backbone.model_type!r}: "
+                         "use residual or hydra heads")
     if architecture == "msa" and stream_layers > len(backbone.layers):
         raise ValueError(f"stream_layers={stream_layers} but the backbone has {len(backbone.layers)} layers")
     cfg = HeadConfig(
         num_heads=num_heads,
-        hidden_size=int(backbone.args.hidden_size),
+        hidden_size=fam.state_size(backbone),
         vocab_size=int(backbone.args.vocab_size),
         architecture=architecture,
         num_layers=num_layers,

@@ -152,8 +152,10 @@ def compare(
         temp=sampling["temp"], top_p=sampling.get("top_p", 1.0), min_p=sampling.get("min_p", 0.0),
         top_k=sampling.get("top_k", 0))
 
+    from .train.data import prompt_ids
+
     def chat_ids(p):
-        return tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        return prompt_ids(tokenizer, p)
 
     # warm-up: both paths, so one-time costs hit neither measurement
     warm = chat_ids("Hello")
@@ -246,11 +248,12 @@ def decode_items(model, tokenizer, items: Sequence[dict], max_tokens: int = 128,
     (made after the first), ``forward_passes`` (decoding passes) and ``skipped`` (True
     when the prompt and ``max_tokens`` do not fit in the context window)."""
     from .generate import stream_generate
+    from .train.data import prompt_ids
 
     ctx = model.context_length
     rows = []
     for it in items:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": it["prompt"]}], add_generation_prompt=True)
+        ids = prompt_ids(tokenizer, it["prompt"])
         row = {"group": it["group"], "category": it["category"], "tokens": 0.0, "forward_passes": 0, "skipped": False}
         if ctx is not None and len(ids) + max_tokens > ctx:
             row["skipped"] = True

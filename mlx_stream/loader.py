@@ -122,6 +122,26 @@ def cast_backbone(backbone: nn.Module, dtype: str) -> nn.Module:
     return backbone
 
 
+def _load_backbone(path: Path):
+    # mlx-lm's loader, with the architectures mlx-lm lacks (OPT) supplied from here
+    import json
+
+    import mlx_lm
+    from mlx_lm.utils import load_tokenizer
+    from mlx_lm.utils import load_model
+
+    try:
+        kind = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path / 'config.json'}: unreadable ({e})") from e
+    if kind == "opt":
+        from .models import opt
+
+        backbone, config = load_model(path, get_model_classes=opt.get_classes)
+        return backbone, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return mlx_lm.load(str(path))
+
+
 def default_heads_path(model_spec: str) -> Path | None:
     """The heads shipped in the package for an alias, if there are any."""
     if str(model_spec) not in _ALIASES:
@@ -154,17 +174,16 @@ def load(model: str | Path = DEFAULT_MODEL, heads: str | Path | nn.Module | None
             :func:`cast_backbone` and :func:`mlx_stream.heads.load_heads` (heads
             trained for another backbone are refused).
     """
-    import mlx_lm
-
     from .heads import StreamHeads, backbone_fingerprint, load_heads
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     path = resolve_model_path(model)
     try:
-        backbone, tokenizer = mlx_lm.load(str(path))
+        backbone, tokenizer = _load_backbone(path)
     except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"{path}: mlx-lm cannot load this model folder ({e})") from e
+        raise ValueError(f"{path}: mlx-lm cannot load this model folder ({e}); a Hugging Face "
+                         f"checkpoint is converted first: mlx-stream convert {path} --out FOLDER") from e
     backbone = cast_backbone(backbone, dtype)
     if isinstance(heads, str) and heads == "default":
         heads = default_heads_path(str(model))

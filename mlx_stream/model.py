@@ -48,6 +48,11 @@ class SpeculativeModel(nn.Module):
         return make_prompt_cache(self.backbone)
 
     @property
+    def state_size(self) -> int:
+        """Width of the hidden states the heads read (the output projection's input)."""
+        return self.family.state_size(self.backbone)
+
+    @property
     def context_length(self) -> int | None:
         """The backbone's context window in tokens (``max_position_embeddings``), if known."""
         n = getattr(self.backbone.args, "max_position_embeddings", None)
@@ -55,7 +60,7 @@ class SpeculativeModel(nn.Module):
 
     def embed(self, tokens: mx.array) -> mx.array:
         """The backbone's (frozen) input embeddings: int ``(...)`` -> float32 ``(..., H)``."""
-        return self.backbone.model.embed_tokens(tokens).astype(mx.float32)
+        return self.family.embed(self.backbone, tokens).astype(mx.float32)
 
     def project(self, hidden: mx.array, rows: mx.array | None = None) -> mx.array:
         """Logits of head outputs ``(..., H)`` through the frozen output projection, or only

@@ -75,9 +75,14 @@ def test_chat_turns_reset_and_eof(tiny_dir):
     assert r.stderr.count("tokens,") == 2  # one stats line per reply
 
 
-def test_convert_cli_refuses_non_gguf(tmp_path):
+def test_convert_cli_refuses_what_it_cannot_convert(tmp_path):
     r = run("convert", str(tmp_path / "x.bin"), "--out", str(tmp_path / "o"))
-    assert r.returncode == 2 and "only .gguf" in r.stderr
+    assert r.returncode == 2 and "Hugging Face checkpoint folder or a .gguf" in r.stderr
+    (tmp_path / "empty").mkdir()
+    r = run("convert", str(tmp_path / "empty"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "config.json" in r.stderr and not (tmp_path / "o").exists()
+    r = run("convert", str(tmp_path / "empty"), "--out", str(tmp_path / "o"), "--quantize", "--q-bits", "3")
+    assert r.returncode == 2
 
 
 def test_only_the_mlx_stream_namespace_is_installed(tmp_path):

@@ -119,3 +119,31 @@ def test_refuses_missing_corrupt_and_nonempty(tmp_path, gguf_path):
         convert_gguf(gguf_path, full)
     assert (full / "x").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "junk.gguf"]
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "BF16"])
+def test_refuses_tensor_types_mlx_does_not_read_exactly(tmp_path, kind):
+    # MLX turns Q4_K into float16 without complaint, but wrongly; every type outside
+    # F32/F16/Q4_0/Q4_1/Q8_0 is refused by name before anything is read
+    gguf = pytest.importorskip("gguf")
+    qt = getattr(gguf.GGMLQuantizationType, kind)
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    path = tmp_path / f"{kind}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 256), dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 256 // block * size), dtype=np.uint8), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=f"blk.0.attn_q.weight has type {kind}.*Q4_0, Q4_1, Q8_0"):
+        convert_gguf(path, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_header_types_agree_with_the_gguf_package(gguf_path):
+    gguf = pytest.importorskip("gguf")
+    from mlx_stream.convert.gguf import gguf_tensor_types
+
+    ref = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    assert gguf_tensor_types(gguf_path) == ref

@@ -98,15 +98,25 @@ def split(rows: Sequence[dict], valid_fraction: float, seed: int) -> tuple[list[
 
 def prompt_ids(tokenizer, prompt) -> list[int]:
     """Token ids of a prompt through the chat template (a string is one user turn;
-    an empty string means no template: raw text)."""
+    an empty string means no template: raw text). A tokenizer without a chat template
+    (a base model such as OPT) encodes the text as it is (turns joined by newlines)."""
     if prompt == "":
         return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if getattr(tokenizer, "chat_template", None) is None:
+        return tokenizer.encode("\n".join(m["content"] for m in msgs))
     return tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
 
 
 def user_prefix(tokenizer) -> str:
-    """The chat template's text before a user turn's content (Magpie's query prefix)."""
+    """The chat template's text before a user turn's content (Magpie's query prefix).
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model has no chat template, so prompts cannot be self-synthesised: "
+                         "give prompts with --data (jsonl)")
     text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
     return text[: text.index(_SENTINEL)]
 

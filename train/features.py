@@ -207,7 +207,7 @@ def build_features_from_ids(model, sequences, out_dir: str | Path, num_heads: in
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    H = int(model.args.hidden_size)
+    H = model.state_size
     writer = FeatureWriter(out_dir, H, num_heads, dtype)
     try:
         for i, (ids, start) in enumerate(sequences):

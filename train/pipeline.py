@@ -117,7 +117,7 @@ def distill_part(model, tokenizer, rows: list[dict], todo: list[int], part: Path
     when ``part`` is complete."""
     if (part / "meta.json").is_file():
         return
-    writer = FeatureWriter(part, int(model.args.hidden_size), num_heads, resume=True)
+    writer = FeatureWriter(part, model.state_size, num_heads, resume=True)
     try:
         done = {r["index"] for r in writer.rows}
         todo = [i for i in todo if i not in done]
@@ -181,7 +181,7 @@ def build_split(model, tokenizer, rows: list[dict], out: Path, name: str, num_he
     else:
         _in_processes(_worker, [(model_spec, dtype, rows, shares[w], part, num_heads, max_tokens, batch_size,
                                  f"{name} [{w + 1}/{len(parts)}]: ") for w, part in enumerate(parts)])
-    writer = FeatureWriter(out / "features" / name, int(model.args.hidden_size), num_heads)
+    writer = FeatureWriter(out / "features" / name, model.state_size, num_heads)
     try:
         for i, row in enumerate(rows):
             if needs[i]:

@@ -293,6 +293,7 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
         "wall_s": wall,
         "tokens_per_s": (total_steps - start_step) * cfg.grad_accum * cfg.batch_size / max(wall, 1e-9),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "first_loss": float(np.mean(losses[:5])) if losses else None,
         "final_loss": float(np.mean(losses[-20:])) if losses else None,
         "head_params": sum(v.size for _, v in tree_flatten(heads.trainable_parameters())),
         "draft_vocab_size": heads.config.draft_vocab_size,

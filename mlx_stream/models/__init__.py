@@ -1,16 +1,18 @@
 """Tree-capable forwards, one module per architecture family.
 
-Each family module provides ``tree_hidden``, ``prefill_hidden`` and ``project``
-over an mlx-lm-style model object; :func:`family` picks the module for a backbone.
+Each family module provides ``tree_hidden``, ``prefill_hidden``, ``project``,
+``embed``, ``output_layer`` and ``state_size`` over an mlx-lm-style model object
+(llama also ``stream_hidden`` and ``main_stream_kv`` for multi-stream attention
+heads); :func:`family` picks the module for a backbone.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from . import llama
+from . import llama, opt
 
-_FAMILIES = {name: llama for name in llama.FAMILY}
+_FAMILIES = {name: mod for mod in (llama, opt) for name in mod.FAMILY}
 
 
 def family(backbone) -> ModuleType:

@@ -75,6 +75,23 @@ def project(backbone, hidden: mx.array) -> mx.array:
     return backbone.lm_head(hidden)
 
 
+def embed(backbone, tokens: mx.array) -> mx.array:
+    """The input embeddings of ``tokens``, ``(..., H)``."""
+    return backbone.model.embed_tokens(tokens)
+
+
+def output_layer(backbone):
+    """The module holding the output projection's ``(V, H)`` weight (the embeddings when tied)."""
+    if not getattr(backbone.args, "tie_word_embeddings", True) and hasattr(backbone, "lm_head"):
+        return backbone.lm_head
+    return backbone.model.embed_tokens
+
+
+def state_size(backbone) -> int:
+    """Width of the states the heads read (the final normed hidden state)."""
+    return int(backbone.args.hidden_size)
+
+
 def _stream_attention(attn, s, positions, keys, values, visible):
     # s: (B, T, K, H) stream inputs (normed); keys/values: (B, Hkv, S, D) main stream
     B, T, K, _ = s.shape

@@ -1,0 +1,105 @@
+"""Where the decode loop's time goes, from Python's own profiler (cProfile).
+
+MLX is lazy: work runs where the host first needs a value, and MLX's functions are
+not visible to cProfile, so their time counts as the calling Python function's own
+time. The loop syncs once per step in verification (``pick``: the forward pass, the
+output projection and the argmax/probabilities all run there); drafting syncs once
+when prompt lookup needs the heads' tokens (``propose``). So the profile splits a
+step into:
+
+* forward (compute): ``pick``'s own time;
+* graph building (Python): ``tree_hidden`` and ``project`` (ops recorded, not run);
+* drafting: ``propose`` (heads, prompt lookup, merging the trees);
+* verification: ``verify_greedy`` / ``verify_coupled``;
+* KV cache: ``keep_path``;
+* text: the stop-condition and detokenizer step (``push``);
+* other Python: the rest of the generator.
+
+Usage (OpenBLAS preloaded, one thread, on a quiet machine)::
+
+    python benchmarks/profile_loop.py --prompts spec-bench --per-group 2 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+from pathlib import Path
+
+
+def _by_name(stats: pstats.Stats) -> dict:
+    out = {}
+    for (file, line, name), (cc, nc, tt, ct, callers) in stats.stats.items():
+        out.setdefault(name, []).append((file, tt, ct, callers))
+    return out
+
+
+def breakdown(stats: pstats.Stats, prefill_s: float = 0.0) -> dict:
+    """Seconds per phase (see the module docstring) and the total; ``prefill_s`` (the
+    prompts' prefill, measured by the loop itself) is split off "other Python"."""
+    names = _by_name(stats)
+
+    def cum(name, file_part=""):
+        return sum(ct for f, tt, ct, _ in names.get(name, []) if file_part in f)
+
+    def own(name, file_part=""):
+        return sum(tt for f, tt, ct, _ in names.get(name, []) if file_part in f)
+
+    total = cum("stream_generate", "generate.py")
+    parts = {
+        "prefill (compute)": prefill_s,
+        "forward (compute, synced in verification)": own("pick", "generate.py"),
+        "graph building (tree_hidden, project)": cum("tree_hidden") + cum("project", "models"),
+        "drafting (heads + prompt lookup)": cum("propose", "drafters.py"),
+        "verification (host)": cum("verify_greedy") + cum("verify_coupled"),
+        "KV cache (keep_path)": cum("keep_path"),
+        "text (stop strings, detokenizer)": cum("push", "generate.py"),
+        "logits processing (log_softmax, sampling filters)": cum("pick", "generate.py") - own("pick", "generate.py")
+        - cum("verify_greedy") - cum("verify_coupled"),
+    }
+    parts["other Python"] = total - sum(parts.values())
+    return {"total_s": total, "phases_s": parts}
+
+
+def main() -> None:
+    import mlx_stream
+    from mlx_stream.bench import load_prompts, load_spec_bench
+    from mlx_stream.train.data import prompt_ids
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", default="spec-bench")
+    ap.add_argument("--per-group", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--out", default=None, help="write the breakdown as JSON here")
+    args = ap.parse_args()
+    model, tok = mlx_stream.load(heads="default")
+    if args.prompts == "spec-bench":
+        texts = [it["prompt"] for it in load_spec_bench("../shared/data/spec_bench/question.jsonl", args.per_group)]
+    else:
+        texts = load_prompts(Path(args.prompts), args.limit)
+    for _ in mlx_stream.stream_generate(model, tok, prompt_ids(tok, "Hello"), max_tokens=8):
+        pass  # warm-up
+    prof, tokens, passes, prefill = cProfile.Profile(), 0, 0, 0.0
+    for t in texts:
+        ids = prompt_ids(tok, t)
+        prof.enable()
+        for r in mlx_stream.stream_generate(model, tok, ids, max_tokens=args.max_tokens, temp=args.temp, seed=0):
+            pass
+        prof.disable()
+        tokens, passes = tokens + r.generation_tokens, passes + r.forward_passes
+        prefill += r.prompt_tokens / r.prompt_tps
+    res = breakdown(pstats.Stats(prof), prefill)
+    res.update({"prompts": len(texts), "tokens": tokens, "forward_passes": passes, "temp": args.temp})
+    print(f"{len(texts)} prompts, {tokens} tokens, {passes} decoding passes, {res['total_s']:.1f} s")
+    for k, v in res["phases_s"].items():
+        print(f"  {k:45s} {v:7.2f} s  {100 * v / res['total_s']:5.1f}%  {1e3 * v / max(passes, 1):6.2f} ms/pass")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

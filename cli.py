@@ -176,7 +176,7 @@ def chat(
     dtype: str = _DTYPE,
 ):
     """Multi-turn chat; the KV cache is reused across turns. /reset clears, /exit quits."""
-    from mlx_stream.generate import PromptCache, stream_generate
+    from mlx_stream.chat import ChatSession
 
     sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, repetition_penalty, prompt_lookup)
     _blas_hint()
@@ -188,46 +188,34 @@ def chat(
         _fail(f"{model} has no chat template; use `mlx-stream generate --raw`")
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")
-    cache = PromptCache(m)
-    base = [{"role": "system", "content": system}] if system else []
-    messages = list(base)
+    session = ChatSession(m, tok, system=system, max_tokens=max_tokens, tree=tree, seed=seed,
+                          prompt_lookup=prompt_lookup, **sampling)
     mode = "stream heads" if m.heads is not None else "plain decoding"
     typer.echo(f"mlx-stream chat: {model} ({mode}). /reset clears the conversation, /exit quits, Ctrl-C stops a reply.")
     while True:
         try:
             line = input(">> ")
-        except EOFError:
-            typer.echo()
-            return
-        except KeyboardInterrupt:
+        except (EOFError, KeyboardInterrupt):
             typer.echo()
             return
         line = "".join(ch for ch in line if ch.isprintable() or ch in "\t\n")
         if line.strip() in ("/exit", "/quit"):
             return
         if line.strip() == "/reset":
-            messages = list(base)
-            cache.reset()
+            session.reset()
             typer.echo("[conversation cleared]")
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        reply, last = [], None
+        last = None
         try:
-            for last in stream_generate(m, tok, prompt, max_tokens=max_tokens, tree=tree, seed=seed,
-                                        prompt_cache=cache, prompt_lookup=prompt_lookup, **sampling):
-                reply.append(last.text)
+            for last in session.send(line):
                 typer.echo(last.text, nl=False)
         except KeyboardInterrupt:
-            cache.reset()  # an interrupted step may leave layers half-updated: start clean
             typer.echo("\n[stopped]")
         except ValueError as e:
-            messages.pop()
             typer.echo(f"\nerror: {e}", err=True)
             continue
-        messages.append({"role": "assistant", "content": "".join(reply)})
         if last is not None:
             typer.echo(
                 f"\n[{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, tau {last.tau:.2f}, "

@@ -12,7 +12,8 @@ Models", arXiv 2402.11131).
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .drafters import Drafter, HeadsDrafter, NoDrafter, OracleDrafter
+from .chat import ChatSession
+from .drafters import Drafter, HeadsDrafter, LookupDrafter, NoDrafter, OracleDrafter
 from .generate import GenerationResponse, PromptCache, generate, stream_generate
 from .loader import DEFAULT_MODEL, load
 from .model import SpeculativeModel
@@ -24,7 +25,8 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0"
 
 __all__ = [
-    "DEFAULT_MODEL", "Drafter", "GenerationResponse", "HeadsDrafter", "NoDrafter", "OracleDrafter",
+    "ChatSession", "DEFAULT_MODEL", "Drafter", "GenerationResponse", "HeadsDrafter", "LookupDrafter", "NoDrafter",
+    "OracleDrafter",
     "PromptCache", "SpeculativeModel", "Tree", "build_tree", "chain", "generate", "load",
     "parse_tree", "stream_generate",
 ]

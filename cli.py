@@ -88,6 +88,31 @@ def _load(model: str, heads: str, no_heads: bool, dtype: str):
     return load(model, heads=spec, dtype=dtype)
 
 
+def _check_out(path: str, folder: bool) -> None:
+    """Refuse an output path that cannot be written, before any work is done: the folder
+    (``folder=True``) or the file's folder must exist or be creatable, and accept a file."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    p = Path(path)
+    where = p if folder else p.parent
+    try:
+        if p.exists() and p.is_dir() != folder:
+            raise NotADirectoryError(f"{p} is {'a file' if folder else 'a folder'}")
+        up = where
+        while not up.exists() and up != up.parent:
+            up = up.parent
+        if not up.is_dir():
+            raise NotADirectoryError(f"{up} is a file")
+        where.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        _fail(f"cannot write {'into ' if folder else ''}{p}: {e.strerror or e}; choose another --out")
+
+
 def _blas_hint() -> None:
     from mlx_stream.env import blas_hint
 
@@ -239,6 +264,7 @@ def convert(
 
     from mlx_stream.convert import convert_gguf, convert_hf
 
+    _check_out(str(Path(out).resolve().parent), folder=True)
     try:
         if src.endswith(".gguf"):
             if quantize or dtype:
@@ -286,6 +312,8 @@ def bench(
         _fail(f"unknown drafter {drafter!r}: use heads or oracle")
     sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, prompt_lookup=prompt_lookup)
     sampling.pop("logits_processors")
+    if out:
+        _check_out(out, folder=True)
     if drafter == "oracle" and temp > 0:
         _fail("--drafter oracle drafts the greedy output: use it with --temp 0")
     try:
@@ -395,6 +423,7 @@ def train(
         _fail("--epochs and --lr must be > 0")
     if kl_weight < 0 or head_decay <= 0:
         _fail("--kl-weight must be >= 0 and --head-decay > 0")
+    _check_out(out, folder=True)
     _blas_hint()
     cfg = TrainConfig(num_heads=num_heads, num_layers=num_layers, epochs=epochs, kl_weight=kl_weight,
                       head_decay=head_decay, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
@@ -405,6 +434,8 @@ def train(
                      gen_batch_size=gen_batch_size, tune=tune)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
+    except OSError as e:
+        _fail(f"{e.filename or out}: {e.strerror or e}")
     v = report.get("valid", {})
     typer.echo(f"heads: {out}/heads  top-1 {v.get('top1')}  top-5 {v.get('top5')}  implied tau {v.get('tau')}")
 
@@ -433,6 +464,8 @@ def eval_heads(
     from mlx_stream.loader import default_heads_path
 
     _check_params(max_tokens, 0.0, tree, prompt_lookup=prompt_lookup)
+    if out:
+        _check_out(out, folder=False)
     if workers < 1:
         _fail(f"--workers must be >= 1, got {workers}")
     path = Path("../shared/data/spec_bench/question.jsonl") if prompts == "spec-bench" else Path(prompts)
@@ -457,7 +490,9 @@ def eval_heads(
     for key, v in res.items():
         typer.echo(f"{key:28s} tau {v['tau']:.3f}  ({v['prompts']} prompts)")
     if out:
-        Path(out).write_text(json.dumps(res, indent=2))
+        from mlx_stream.bench import write_json
+
+        write_json(res, out)
 
 
 if __name__ == "__main__":

@@ -369,6 +369,18 @@ def environment(dtype: str | None = None) -> dict:
     }
 
 
+def write_json(obj, path: str | Path) -> Path:
+    """Write ``obj`` as indented JSON to ``path`` through a temporary file and a rename,
+    so a reader never sees half a file."""
+    import os
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
 def write_report(res: dict, out: str | Path) -> list[Path]:
     """Write ``report.json``, ``report.md`` and ``report.png`` (tau and speedup per task
     group, tokens/s distributions of both sides) for a :func:`summary` result extended

@@ -191,3 +191,20 @@ def test_bench_writes_report_and_plot(tiny_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads((out / "report.json").read_text())
     assert res["identical"] is None and res["sampling"]["top_k"] == 5
+
+
+def test_unwritable_outputs_are_refused_before_any_work(tiny_dir, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    cases = [
+        ("convert", str(tiny_dir), "--out", str(blocker / "x")),
+        ("train", "--model", str(tiny_dir), "--out", str(blocker / "run")),
+        ("bench", "--model", str(tiny_dir), "--out", str(blocker)),
+        ("eval-heads", "--model", str(tiny_dir), "--out", str(blocker / "tau.json")),
+        ("eval-heads", "--model", str(tiny_dir), "--out", str(tmp_path)),  # a folder where a file goes
+    ]
+    for args in cases:
+        r = run(*args)
+        assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert r.stderr.count("\n") == 1  # one line
+    assert blocker.read_text() == "not a folder"

@@ -28,7 +28,8 @@ _HEADS = typer.Option(
 _NO_HEADS = typer.Option(False, "--no-heads", help="Decode plainly (one token per forward pass).")
 _TREE = typer.Option(
     None, "--tree",
-    help="Draft tree: 'sparse' (default), 'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'.",
+    help="Draft tree: 'auto' (the heads' candidate that is fastest on this device, measured once), 'sparse', "
+         "'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'. Default: the tree stored with the heads.",
 )
 _LOOKUP = typer.Option(
     None, "--prompt-lookup",
@@ -68,7 +69,7 @@ def _check_params(max_tokens: int, temp: float, tree: str | None, top_p: float =
             raise ValueError(f"--repetition-penalty must be a number > 0 (1 = none), got {repetition_penalty}")
         if prompt_lookup is not None and prompt_lookup < 0:
             raise ValueError(f"--prompt-lookup must be >= 0 (0: off), got {prompt_lookup}")
-        if tree is not None:
+        if tree is not None and tree.strip() != "auto":
             parse_tree(tree, 1 << 10)  # syntax only; the depth is checked against the heads later
     except ValueError as e:
         _fail(str(e))
@@ -90,7 +91,8 @@ def _load(model: str, heads: str, no_heads: bool, dtype: str):
 
 def _check_out(path: str, folder: bool) -> None:
     """Refuse an output path that cannot be written, before any work is done: the folder
-    (``folder=True``) or the file's folder must exist or be creatable, and accept a file."""
+    (``folder=True``) or the file's folder must exist or be creatable in a folder that
+    accepts a file. Nothing is left behind."""
     import os
     import tempfile
     from pathlib import Path
@@ -100,13 +102,12 @@ def _check_out(path: str, folder: bool) -> None:
     try:
         if p.exists() and p.is_dir() != folder:
             raise NotADirectoryError(f"{p} is {'a file' if folder else 'a folder'}")
-        up = where
+        up = where  # nothing is created here: the nearest existing folder must take a file
         while not up.exists() and up != up.parent:
             up = up.parent
         if not up.is_dir():
             raise NotADirectoryError(f"{up} is a file")
-        where.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=where, prefix=".write-check-")
+        fd, probe = tempfile.mkstemp(dir=up, prefix=".write-check-")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
@@ -317,7 +318,10 @@ def bench(
     if drafter == "oracle" and temp > 0:
         _fail("--drafter oracle drafts the greedy output: use it with --temp 0")
     try:
-        check = parse_tree(tree, 1 << 10) if tree is not None else None
+        auto = tree is not None and tree.strip() == "auto"
+        if auto and drafter == "oracle":
+            raise ValueError("--tree auto chooses among the heads' trees; give the oracle a tree shape")
+        check = parse_tree(tree, 1 << 10) if tree is not None and not auto else None
         groups = None
         if prompts == "spec-bench":
             items = load_spec_bench(Path("../shared/data/spec_bench/question.jsonl"), per_group)
@@ -338,6 +342,19 @@ def bench(
         make = lambda ids, ref: OracleDrafter(len(ids), ref, shape, m.args.vocab_size)  # noqa: E731
     elif m.heads is None:
         typer.echo("note: no heads loaded; this measures plain decoding through the loop", err=True)
+    chosen = None
+    if auto:
+        from mlx_stream.autotree import auto_tree
+
+        try:
+            _, info = auto_tree(m)
+        except ValueError as e:
+            _fail(str(e))
+        chosen = info["sizes"][info["best"]] | {"cached": info["cached"]}
+        tree = chosen["tree"]
+        typer.echo(f"tree auto: {tree} ({chosen['nodes']} drafted nodes): expected tau {chosen['tau']:.2f}, "
+                   f"cost {chosen['cost']:.2f}, speedup bound x{chosen['speedup_bound']:.2f}"
+                   f"{' (cached choice)' if info['cached'] else ''}")
     cost = forward_cost(m)
     typer.echo("c(N) = " + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items() if n != "t1_ms")
                + f"  (1-token forward {cost['t1_ms']:.1f} ms)")
@@ -359,7 +376,7 @@ def bench(
         res = summary(compare(m, tok, texts, max_tokens, make_drafter=make, tree=tree, progress=show,
                               sampling=sampling, seed=seed, prompt_lookup=prompt_lookup), groups)
     res.update({"model": model, "heads": heads if m.heads is not None else None, "drafter": drafter,
-                "tree": tree, "prompt_lookup": prompt_lookup, "dtype": dtype, "max_tokens": max_tokens, "sampling": sampling, "seed": seed,
+                "tree": tree, "tree_auto": chosen, "prompt_lookup": prompt_lookup, "dtype": dtype, "max_tokens": max_tokens, "sampling": sampling, "seed": seed,
                 "command": "mlx-stream " + " ".join(sys.argv[1:]), "environment": environment(dtype),
                 "openblas": openblas_loaded(), "forward_cost": {str(k): v for k, v in cost.items()}})
     typer.echo(f"median speedup x{res['median_speedup']:.2f}, median tau {res['median_tau']:.2f}, "

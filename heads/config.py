@@ -34,6 +34,10 @@ class HeadConfig:
         tree: the draft tree these heads decode with when none is asked for, as rank
             paths (``"0;1;0,0"``, see :func:`mlx_stream.tree.parse_tree`); empty means
             the default sparse tree.
+        tree_taus: candidate trees and the tau each implies on held-out data
+            (``{"0;1;0,0": 1.69, ...}``, written by training); ``tree="auto"`` picks the
+            one with the best tau / cost on the device at hand
+            (:func:`mlx_stream.autotree.auto_tree`).
     """
 
     num_heads: int
@@ -46,6 +50,7 @@ class HeadConfig:
     tree: str = ""
     stream_layers: int = 2
     adapter_size: int = 128
+    tree_taus: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.num_layers < 1:

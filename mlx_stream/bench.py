@@ -409,7 +409,11 @@ def write_report(res: dict, out: str | Path) -> list[Path]:
         "# mlx-stream bench", "",
         f"- model `{res.get('model')}`, heads `{res.get('heads')}`, drafter `{res.get('drafter')}`, "
         f"tree `{res.get('tree')}`, dtype {res.get('dtype')}, max_tokens {res.get('max_tokens')}, "
-        f"sampling {res.get('sampling') or 'greedy'}",
+        f"sampling {res.get('sampling') or 'greedy'}, prompt lookup {res.get('prompt_lookup', 'default')}",
+        *([f"- tree auto chose `{res['tree_auto']['tree']}`: expected (heads only, held-out data) tau "
+           f"{res['tree_auto']['tau']:.2f}, cost {res['tree_auto']['cost']:.2f}, speedup bound "
+           f"x{res['tree_auto']['speedup_bound']:.2f}; measured here: median tau {res['median_tau']:.2f}, "
+           f"median speedup x{res['median_speedup']:.2f}"] if res.get("tree_auto") else []),
         f"- machine: {env.get('machine')}, {env.get('cpus')} CPUs, {env.get('os')}; device {env.get('device')}; "
         f"BLAS {env.get('blas')}; versions {env.get('versions')}",
         f"- command: `{res.get('command', '')}`", "",

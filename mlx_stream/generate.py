@@ -220,8 +220,10 @@ def stream_generate(
             (``mlx_lm.sample_utils.make_logits_processors``: repetition penalty, logit
             bias, ...), applied at every tree node with that node's own history.
         tree: the draft tree when drafting with the model's heads (see
-            :func:`mlx_stream.tree.parse_tree`); None uses the tree stored with the
-            heads (``HeadConfig.tree``), else the default sparse tree; ignored without heads.
+            :func:`mlx_stream.tree.parse_tree`); ``"auto"``: the heads' candidate tree
+            with the best expected speed on this device (:func:`mlx_stream.autotree.auto_tree`,
+            measured once, then cached); None uses the tree stored with the heads
+            (``HeadConfig.tree``), else the default sparse tree; ignored without heads.
         drafter: a custom :class:`~mlx_stream.drafters.Drafter` (overrides ``tree``).
         stop: stop string(s); output ends before the first occurrence.
         seed: an int >= 0 (``temp > 0``): the token at each position is drawn with a
@@ -278,6 +280,10 @@ def stream_generate(
         if model.heads is not None:
             if tree is None and model.heads.config.tree:
                 tree = model.heads.config.tree  # the tree these heads were tuned for
+            if isinstance(tree, str) and tree.strip() == "auto":
+                from .autotree import auto_tree
+
+                tree = auto_tree(model)[0]  # measured once per device, then cached
             drafter = HeadsDrafter(model, parse_tree(tree, model.heads.num_heads))
         else:
             drafter = NoDrafter()

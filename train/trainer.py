@@ -133,27 +133,24 @@ def tune_tree(model, heads, valid: FeatureCache, max_nodes: int = 15) -> dict:
     N drafted nodes with the highest held-out tau (:func:`mlx_stream.tree.tree_from_ranks`),
     scored by tau / cost, where cost is the measured time of an (N + 1)-token forward
     plus drafting that tree with these heads, relative to a 1-token forward (the
-    plain decoding step). Sets ``heads.config.tree`` to the best.
+    plain decoding step; :func:`mlx_stream.autotree.score_trees`). Sets
+    ``heads.config.tree`` to the best and ``heads.config.tree_taus`` to every size's
+    tree and tau (the candidates of ``tree="auto"`` on other devices).
 
     Returns ``{"best": N, "sizes": {N: {"tree", "tau", "cost", "draft_ms", "speedup_bound"}}}``
     (``speedup_bound`` = tau / cost: the speedup if the loop had no other overhead).
     """
-    from mlx_stream.bench import draft_times, forward_cost
+    from mlx_stream.autotree import score_trees
     from mlx_stream.model import SpeculativeModel
     from mlx_stream.tree import format_tree, tree_from_ranks
 
     ranks = head_ranks(model, heads, valid)
-    costs = forward_cost(model, sizes=tuple(range(1, max_nodes + 2)), repeats=5)
-    drafting = SpeculativeModel(model.backbone, heads)
     best_trees = [tree_from_ranks(ranks, n) for n in range(max_nodes + 1)]
-    draft_ms = [0.0] + draft_times(drafting, [tree for tree, _ in best_trees[1:]])
-    sizes = {}
-    for n, ((tree, tau), ms) in enumerate(zip(best_trees, draft_ms)):
-        cost = costs[n + 1] + ms / costs["t1_ms"]
-        sizes[n] = {"tree": format_tree(tree) or "none", "tau": tau, "cost": cost, "draft_ms": ms,
-                    "speedup_bound": tau / cost}
-    best = max(sizes, key=lambda n: sizes[n]["speedup_bound"])
+    scored = score_trees(SpeculativeModel(model.backbone, heads), best_trees)
+    sizes = {n: {k: v for k, v in row.items() if k != "nodes"} for n, row in enumerate(scored["sizes"])}
+    best = scored["best"]
     heads.config.tree = sizes[best]["tree"]
+    heads.config.tree_taus = {format_tree(t): tau for t, tau in best_trees[1:]}
     return {"best": best, "sizes": sizes}
 
 

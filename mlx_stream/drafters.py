@@ -210,24 +210,59 @@ class LookupDrafter:
     is unchanged (any tree of distinct siblings), so output stays lossless, greedy and
     sampled.
 
+    Chains pay only while their tokens are accepted: the loop reports each verified
+    tree (:meth:`observe`), the drafter keeps a moving average (weight ``decay``) of the
+    fraction of its grafted nodes that were accepted, and while it is below
+    ``min_accept`` (a drafted node costs about a tenth of a forward pass on a CPU) only
+    every ``explore_every``-th match is drafted. Text that does not repeat (sampling at
+    high temperature) thus stops paying for copies, and drafting resumes when it does.
+
     Args:
         base: the drafter whose tree the chain joins (:class:`HeadsDrafter`, or
             :class:`NoDrafter` for prompt lookup alone).
         num_draft: the longest chain, in tokens (>= 1).
         max_ngram, min_ngram: suffix lengths matched.
+        min_accept, explore_every, decay, prior: the acceptance gate (above).
+
+    Attributes:
+        accept_rate: the moving average of accepted / grafted nodes, starting from
+            ``prior`` (so a few misses in a row are needed to stop drafting copies).
 
     Raises:
         ValueError: bad lengths.
     """
 
-    def __init__(self, base, num_draft: int = 10, max_ngram: int = 6, min_ngram: int = 2):
+    def __init__(self, base, num_draft: int = 10, max_ngram: int = 6, min_ngram: int = 2,
+                 min_accept: float = 0.1, explore_every: int = 8, decay: float = 0.25, prior: float = 0.5):
         if num_draft < 1 or min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"prompt lookup needs num_draft >= 1 and 1 <= min_ngram <= max_ngram, "
                              f"got {num_draft}, {min_ngram}, {max_ngram}")
         self.base = base
         self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
+        self.min_accept, self.explore_every, self.decay = min_accept, max(explore_every, 1), decay
         self.capture = getattr(base, "capture", None)
+        self.accept_rate = prior
+        self._skipped = 0
+        self._pending: tuple | None = None  # (tree, indices of its grafted nodes) of the last proposal
         self._trees: dict = {}  # merged shapes seen so far (a handful per base tree)
+
+    def _wanted(self) -> bool:
+        if self.accept_rate >= self.min_accept:
+            return True
+        self._skipped += 1
+        if self._skipped >= self.explore_every:
+            self._skipped = 0
+            return True
+        return False
+
+    def observe(self, tree: Tree, path: Sequence[int]) -> None:
+        """Record a verified tree and its accepted path (node indices, root first)."""
+        if self._pending is None or self._pending[0] is not tree:
+            return
+        grafted = self._pending[1]
+        rate = len(grafted.intersection(path)) / len(grafted)
+        self.accept_rate += self.decay * (rate - self.accept_rate)
+        self._pending = None
 
     @property
     def tree(self) -> Tree:
@@ -241,14 +276,19 @@ class LookupDrafter:
         from .lookup import graft_chain, prompt_lookup
 
         tree, drafts = propose(self.base, hidden, tokens, max_depth, mid, cache, base=base)
+        self._pending = None
         chain_ = prompt_lookup(tokens, min(self.num_draft, max_depth), self.max_ngram, self.min_ngram)
-        if not chain_:
+        if not chain_ or not self._wanted():
             return tree, drafts
         choices, fill = graft_chain(tree, [tokens[-1]] + drafts.tolist(), chain_)
+        if len(choices) == tree.size - 1:
+            return tree, drafts  # the heads drafted the whole chain already
         key = tuple(choices)
         merged = self._trees.get(key)
         if merged is None:
             merged = self._trees[key] = build_tree(choices)
+        old = set(tree.choices)
+        self._pending = (merged, {i for i, c in enumerate(merged.choices, start=1) if c not in old})
         return merged, mx.array([fill[c] for c in merged.choices], dtype=mx.int32)
 
 

@@ -378,6 +378,8 @@ def stream_generate(
         path, y, node_list, lps = pick(t, node_tokens, fam.project(backbone, h), tokens)
         if policy is not None and depth >= 1 and t.size == static:  # timings of steps without a chain
             policy.observe(static > 1, time.perf_counter() - step_tic, len(path))
+        if hasattr(drafter, "observe"):  # drafters that learn from what was accepted (prompt lookup)
+            drafter.observe(t, path)
         keep_path(cache.layers, start, path)
         cache.tokens.extend(node_list[i] for i in path)
         hidden = h[path[-1]]

@@ -166,3 +166,27 @@ def test_bad_prompt_lookup(tiny):
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="prompt_lookup"):
             next(stream_generate(model, tok, "hi", prompt_lookup=bad))
+
+
+def test_chains_that_are_not_accepted_stop_being_drafted(tiny):
+    model, _ = tiny
+    d = LookupDrafter(NoDrafter(), num_draft=4, explore_every=4)
+    h = np.zeros(model.args.hidden_size, dtype=np.float32)
+    ctx = [4, 5, 6, 7, 8, 9, 4, 5, 6]
+    drafted = []
+    for step in range(24):
+        t, _ = propose(d, h, ctx, 8)
+        drafted.append(t.size > 1)
+        d.observe(t, [0])  # nothing accepted
+    assert d.accept_rate < d.min_accept
+    # from the prior (0.5), six misses in a row bring the rate below 0.1; then one try in 4 matches
+    assert all(drafted[:6]) and not drafted[6] and sum(drafted[12:]) == 3
+    for step in range(8):  # the copies start being accepted: drafting resumes
+        t, _ = propose(d, h, ctx, 8)
+        d.observe(t, list(range(t.size)))
+    t, _ = propose(d, h, ctx, 8)
+    assert t.size > 1 and d.accept_rate >= d.min_accept
+    # a tree the drafter did not propose (a plain step) is ignored
+    rate = d.accept_rate
+    d.observe(build_tree([]), [0])
+    assert d.accept_rate == rate

@@ -355,7 +355,8 @@ def bench(
         typer.echo(f"tree auto: {tree} ({chosen['nodes']} drafted nodes): expected tau {chosen['tau']:.2f}, "
                    f"cost {chosen['cost']:.2f}, speedup bound x{chosen['speedup_bound']:.2f}"
                    f"{' (cached choice)' if info['cached'] else ''}")
-    cost = forward_cost(m)
+    sizes = {1, 2, 4, 8, 16} | ({shape.size} if drafter == "oracle" else set())
+    cost = forward_cost(m, sizes=tuple(sorted(sizes)))
     typer.echo("c(N) = " + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items() if n != "t1_ms")
                + f"  (1-token forward {cost['t1_ms']:.1f} ms)")
     from rich.console import Console
@@ -384,6 +385,14 @@ def bench(
                f"mlx-stream {res['median_spec_tps']:.1f} tok/s")
     for g, v in res.get("per_group", {}).items():
         typer.echo(f"  {g:16s} speedup x{v['median_speedup']:.2f}  tau {v['median_tau']:.2f}  ({v['prompts']} prompts)")
+    if drafter == "oracle":
+        # every rank-0 draft is accepted: tau / c(N) is what a loop without overhead would reach
+        ceiling = res["median_tau"] / cost[shape.size]
+        res["oracle_ceiling"] = {"tree_nodes": shape.size, "c": cost[shape.size], "ceiling": ceiling,
+                                 "loop_overhead": 1 - res["median_speedup"] / ceiling}
+        typer.echo(f"oracle ceiling tau / c({shape.size}) = {res['median_tau']:.2f} / {cost[shape.size]:.2f} = "
+                   f"x{ceiling:.2f}; measured x{res['median_speedup']:.2f}: loop overhead "
+                   f"{100 * res['oracle_ceiling']['loop_overhead']:.0f}% (prefill included)")
     if out:
         try:
             paths = write_report(res, out)

@@ -410,6 +410,9 @@ def write_report(res: dict, out: str | Path) -> list[Path]:
         f"- model `{res.get('model')}`, heads `{res.get('heads')}`, drafter `{res.get('drafter')}`, "
         f"tree `{res.get('tree')}`, dtype {res.get('dtype')}, max_tokens {res.get('max_tokens')}, "
         f"sampling {res.get('sampling') or 'greedy'}, prompt lookup {res.get('prompt_lookup', 'default')}",
+        *([f"- oracle ceiling: tau / c({res['oracle_ceiling']['tree_nodes']}) = x{res['oracle_ceiling']['ceiling']:.2f}; "
+           f"measured x{res['median_speedup']:.2f}: loop overhead {100 * res['oracle_ceiling']['loop_overhead']:.0f}%"]
+          if res.get("oracle_ceiling") else []),
         *([f"- tree auto chose `{res['tree_auto']['tree']}`: expected (heads only, held-out data) tau "
            f"{res['tree_auto']['tau']:.2f}, cost {res['tree_auto']['cost']:.2f}, speedup bound "
            f"x{res['tree_auto']['speedup_bound']:.2f}; measured here: median tau {res['median_tau']:.2f}, "

@@ -184,6 +184,9 @@ def test_bench_writes_report_and_plot(tiny_dir, tmp_path):
     res = json.loads((out / "report.json").read_text())
     assert res["prompts"] == 2 and res["identical"] == 2 and res["environment"]["blas"]
     assert "| all | 2 |" in (out / "report.md").read_text()
+    oc = res["oracle_ceiling"]  # the loop's overhead against tau / c(N)
+    assert oc["tree_nodes"] == 4 and oc["ceiling"] == pytest.approx(res["median_tau"] / oc["c"])
+    assert "loop overhead" in r.stdout and "oracle ceiling" in (out / "report.md").read_text()
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob(".*.tmp"))
     r = run("bench", "--model", str(tiny_dir), "-n", "1", "--max-tokens", "8", "--temp", "0.8", "--top-k", "5",

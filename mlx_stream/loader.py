@@ -181,9 +181,11 @@ def load(model: str | Path = DEFAULT_MODEL, heads: str | Path | nn.Module | None
     path = resolve_model_path(model)
     try:
         backbone, tokenizer = _load_backbone(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"{path}: mlx-lm cannot load this model folder ({e}); a Hugging Face "
-                         f"checkpoint is converted first: mlx-stream convert {path} --out FOLDER") from e
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # MLX: RuntimeError for a corrupt file
+        hint = ""
+        if not any(path.glob("*.safetensors")) and any(path.glob("pytorch_model*.bin")):
+            hint = f"; a Hugging Face checkpoint is converted first: mlx-stream convert {path} --out FOLDER"
+        raise ValueError(f"{path}: cannot load this model folder ({e}){hint}") from e
     backbone = cast_backbone(backbone, dtype)
     if isinstance(heads, str) and heads == "default":
         heads = default_heads_path(str(model))

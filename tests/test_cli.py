@@ -211,3 +211,26 @@ def test_unwritable_outputs_are_refused_before_any_work(tiny_dir, tmp_path):
         assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert r.stderr.count("\n") == 1  # one line
     assert blocker.read_text() == "not a folder"
+
+
+def test_corrupt_model_folders_give_one_line_errors(tiny_dir, tmp_path):
+    import shutil
+
+    cases = {}
+    bad = tmp_path / "truncated"
+    shutil.copytree(tiny_dir, bad)
+    w = bad / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    cases[bad] = "model.layers"
+    bad = tmp_path / "badconfig"
+    shutil.copytree(tiny_dir, bad)
+    (bad / "config.json").write_text('{"model_type": "llama"')
+    cases[bad] = "config.json"
+    bad = tmp_path / "noweights"
+    shutil.copytree(tiny_dir, bad)
+    (bad / "model.safetensors").unlink()
+    cases[bad] = "safetensors"
+    for folder, msg in cases.items():
+        r = run("generate", "--model", str(folder), "-p", "hi", "--max-tokens", "2")
+        assert r.returncode == 2 and str(folder) in r.stderr and msg in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr

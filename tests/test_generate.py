@@ -145,7 +145,10 @@ def test_prompt_longer_than_context_is_refused_before_any_forward(tiny):
 
 @pytest.mark.parametrize("kw,msg", [
     ({"temp": -0.5}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
-    ({"tree": "bogus"}, "unknown tree"),
+    ({"tree": "bogus"}, "unknown tree"), ({"tree": "0;;1"}, "unknown tree"), ({"tree": "0,a"}, "unknown tree"),
+    ({"tree": "1,0"}, "no parent"), ({"temp": 1.0, "top_p": 0.0}, "top_p"), ({"temp": 1.0, "top_p": 1.5}, "top_p"),
+    ({"temp": 1.0, "top_k": -1}, "top_k"), ({"temp": float("nan")}, "temp"), ({"max_tokens": 2.5}, "max_tokens"),
+    ({"seed": -1}, "seed"), ({"prompt_lookup": -2}, "prompt_lookup"),
 ])
 def test_bad_parameters(tiny, kw, msg):
     model, tok = tiny

@@ -113,6 +113,7 @@ def test_stop_string_inside_an_accepted_chunk(tiny_ref):
         # the token ids end with the token that completed the stop string
         assert got == ref[: len(got)]
         assert stop in _detok_text(tok, got) and stop not in _detok_text(tok, got[:-1])
+        assert all(len(r.logprobs) == len(r.tokens) for r in rs)  # cut at the same boundary
         checked += 1
     assert checked >= 2
 

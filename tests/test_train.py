@@ -28,6 +28,17 @@ def test_implied_tau():
     assert implied_tau(ranks, [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]) == 1 + (3 + 2 + 2 + 0) / 4
 
 
+def test_bad_dataset_lines_are_named(tmp_path):
+    from mlx_stream.train.data import read_jsonl
+
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "a"}\n{bad json\n')
+    with pytest.raises(ValueError, match="d.jsonl:2: not valid JSON"):
+        read_jsonl(f)
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        read_jsonl(tmp_path / "nope.jsonl")
+
+
 def test_data_formats_and_split():
     assert to_example({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) == {
         "prompt": [{"role": "user", "content": "q"}], "completion": "a"}

@@ -234,3 +234,43 @@ def test_corrupt_model_folders_give_one_line_errors(tiny_dir, tmp_path):
         r = run("generate", "--model", str(folder), "-p", "hi", "--max-tokens", "2")
         assert r.returncode == 2 and str(folder) in r.stderr and msg in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_train_killed_at_any_point_resumes_to_the_same_heads(tiny_dir, tmp_path):
+    """SIGKILL the whole `mlx-stream train` process group at several moments (prompts,
+    distillation, features, training), then `--resume`: the heads equal an uninterrupted
+    run's, and every file left behind is whole."""
+    import os
+    import signal
+    import time
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                            ["The quick brown fox", "heads, trees!", "0123 café", "drafts", "Speculative decoding",
+                             "naïve café", "streams and trees", "fox jumps"]))
+
+    def args(out):
+        return [EXE, "train", "--model", str(tiny_dir), "--out", str(out), "--data", str(data), "--max-tokens", "16",
+                "--epochs", "3", "--batch-size", "8", "--checkpoint-every", "2", "--no-tune", "--workers", "2"]
+
+    tic = time.perf_counter()
+    ref = subprocess.run(args(tmp_path / "ref"), capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr
+    wall = time.perf_counter() - tic
+    want = load_file(str(tmp_path / "ref" / "heads" / "heads.safetensors"))
+    for i, frac in enumerate((0.3, 0.6, 0.85)):
+        out = tmp_path / f"run{i}"
+        p = subprocess.Popen(args(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        time.sleep(frac * wall)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        r = subprocess.run(args(out) + ["--resume"], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (frac, r.stderr)
+        got = load_file(str(out / "heads" / "heads.safetensors"))
+        for k in want:
+            np.testing.assert_allclose(got[k].astype(np.float32), want[k].astype(np.float32), atol=2e-3, err_msg=k)
+        for f in (out / "data").glob("*.jsonl"):  # whole files only
+            [json.loads(line) for line in f.read_text().splitlines()]

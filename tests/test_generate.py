@@ -178,3 +178,19 @@ def test_sampling_is_seeded(tiny):
     b, _ = ours(model, tok, "The quick", 30, temp=5.0, seed=7)
     c, _ = ours(model, tok, "The quick", 30, temp=5.0, seed=8)
     assert a == b and a != c
+
+
+def test_text_that_may_become_a_stop_string_is_held_back(tiny):
+    from mlx_stream.generate import _Emitter
+
+    _, tok = tiny
+    em = _Emitter(tok, 100, ["fox jumps"])
+    first = tok.encode("The quick brown fox")
+    delta, kept, reason = em.push(first)
+    assert reason is None and kept == first and not delta.endswith("fox")  # "fox" may start the stop string
+    delta2, _, reason = em.push(tok.encode(" runs"))
+    assert reason is None and (delta + delta2).endswith("fox runs")  # it did not: released
+    em = _Emitter(tok, 100, ["fox jumps"])
+    d1, _, _ = em.push(first)
+    d2, kept, reason = em.push(tok.encode(" jumps over"))
+    assert reason == "stop" and d1 + d2 == "The quick brown "

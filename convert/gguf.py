@@ -17,13 +17,12 @@ represent the GGUF blocks exactly. What this module adds:
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
+
+from .staging import staged_folder
 
 _LAYER_MAP = {
     "attn_norm": "input_layernorm",
@@ -335,17 +334,9 @@ def convert_gguf(src: str | Path, out: str | Path, dequantize: bool = False) -> 
             if nb != common:
                 quantization[b] = {"group_size": 32, "bits": nb, "mode": "affine"}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    os.chmod(tmp, 0o755)
-    try:
+    with staged_folder(out) as tmp:
         cfg = gguf_config(meta, quantization, tied)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         gguf_tokenizer(meta, tmp)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -20,13 +20,13 @@ so a failed conversion leaves nothing behind.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+
+from .staging import staged_folder
 
 TOKENIZER_FILES = (
     "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -175,10 +175,7 @@ def convert_hf(src: str | Path, out: str | Path, dtype: str | None = None, quant
     if quantize:
         model, config = quantize_model(model, config, q_group_size, q_bits)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    os.chmod(tmp, 0o755)
-    try:
+    with staged_folder(out) as tmp:
         for f in toks:
             shutil.copyfile(src / f, tmp / f)
         try:
@@ -188,10 +185,5 @@ def convert_hf(src: str | Path, out: str | Path, dtype: str | None = None, quant
         mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
                             metadata={"format": "mlx"})
         save_config(config, tmp / "config.json")
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 

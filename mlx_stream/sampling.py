@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 

@@ -214,7 +214,8 @@ class LookupDrafter:
     tree (:meth:`observe`), the drafter keeps a moving average (weight ``decay``) of the
     fraction of its grafted nodes that were accepted, and while it is below
     ``min_accept`` (a drafted node costs about a tenth of a forward pass on a CPU) only
-    every ``explore_every``-th match is drafted. Text that does not repeat (sampling at
+    every ``explore_every``-th match is drafted (from the ``prior`` of 0.25, four misses
+    in a row stop it: unpredictable text pays for few copies). Text that does not repeat (sampling at
     high temperature) thus stops paying for copies, and drafting resumes when it does.
 
     Args:
@@ -233,7 +234,7 @@ class LookupDrafter:
     """
 
     def __init__(self, base, num_draft: int = 10, max_ngram: int = 6, min_ngram: int = 2,
-                 min_accept: float = 0.1, explore_every: int = 8, decay: float = 0.25, prior: float = 0.5):
+                 min_accept: float = 0.1, explore_every: int = 16, decay: float = 0.25, prior: float = 0.25):
         if num_draft < 1 or min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"prompt lookup needs num_draft >= 1 and 1 <= min_ngram <= max_ngram, "
                              f"got {num_draft}, {min_ngram}, {max_ngram}")

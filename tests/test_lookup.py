@@ -179,8 +179,8 @@ def test_chains_that_are_not_accepted_stop_being_drafted(tiny):
         drafted.append(t.size > 1)
         d.observe(t, [0])  # nothing accepted
     assert d.accept_rate < d.min_accept
-    # from the prior (0.5), six misses in a row bring the rate below 0.1; then one try in 4 matches
-    assert all(drafted[:6]) and not drafted[6] and sum(drafted[12:]) == 3
+    # from the prior (0.25), four misses in a row bring the rate below 0.1; then one try in 4 matches
+    assert all(drafted[:4]) and not drafted[4] and sum(drafted[12:]) == 3
     for step in range(8):  # the copies start being accepted: drafting resumes
         t, _ = propose(d, h, ctx, 8)
         d.observe(t, list(range(t.size)))

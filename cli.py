@@ -33,8 +33,8 @@ _TREE = typer.Option(
 )
 _LOOKUP = typer.Option(
     None, "--prompt-lookup",
-    help="Tokens drafted by prompt lookup (copying the context's continuation of its last 2-3 tokens) "
-         "on top of the heads' tree; 0 turns it off. Default: 4 with heads, 0 without.",
+    help="Most tokens drafted per step by prompt lookup (copying what followed the context's longest "
+         "repeated suffix, 2 to 6 tokens) on top of the heads' tree; 0 turns it off. Default: 10 with heads, 0 without.",
 )
 _TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
 _SEED = typer.Option(None, "--seed", help="Seed for sampling: same seed and settings, same output.")

@@ -215,8 +215,8 @@ class LookupDrafter:
     fraction of its grafted nodes that were accepted, and while it is below
     ``min_accept`` (a drafted node costs about a tenth of a forward pass on a CPU) only
     every ``explore_every``-th match is drafted (from the ``prior`` of 0.25, four misses
-    in a row stop it: unpredictable text pays for few copies). Text that does not repeat (sampling at
-    high temperature) thus stops paying for copies, and drafting resumes when it does.
+    in a row stop it). Text that does not repeat (sampling at high temperature) thus
+    stops paying for copies, and drafting resumes when it does.
 
     Args:
         base: the drafter whose tree the chain joins (:class:`HeadsDrafter`, or

@@ -198,17 +198,19 @@ class OracleDrafter:
 
 
 class LookupDrafter:
-    """A drafter plus prompt lookup: the context's own continuation grafted into its tree.
+    """A drafter plus prompt lookup: the context's own continuation grafted beside its tree.
 
     Each step the base drafter fills its static tree; then the tokens that followed the
     latest earlier occurrence of the context's longest repeated suffix (``max_ngram``
-    down to ``min_ngram`` tokens; :func:`~mlx_stream.lookup.prompt_lookup`) are merged
-    into it as a chain under the root, sharing any prefix the tree already drafted
-    (:func:`~mlx_stream.lookup.graft_chain`). The chain grows with the match (2 (n - 1)
-    tokens after an n-token match, at most ``num_draft``). The tree therefore changes
-    from step to step; a step without a match drafts the base tree alone. Verification
-    is unchanged (any tree of distinct siblings), so output stays lossless, greedy and
-    sampled.
+    down to ``min_ngram`` tokens; :func:`~mlx_stream.lookup.prompt_lookup`) join it as
+    a chain under the root, the root's last child (:func:`~mlx_stream.lookup.append_chain`).
+    The merged shape depends only on the chain's length, so the base drafts never
+    leave the device: the step keeps its single host sync. Where the chain repeats
+    the heads' drafts, siblings hold the same token and verification keeps the longest
+    accepted branch (:func:`~mlx_stream.verify.verify_greedy`), so output stays
+    lossless, greedy and sampled. The chain grows with the match (2 (n - 1) tokens
+    after an n-token match, at most ``num_draft``); a step without a match drafts the
+    base tree alone.
 
     Chains pay only while their tokens are accepted: the loop reports each verified
     tree (:meth:`observe`), the drafter keeps a moving average (weight ``decay``) of the
@@ -274,23 +276,21 @@ class LookupDrafter:
                 base: bool = True) -> tuple[Tree, mx.array]:
         """The step's tree and its ``(N - 1,)`` drafts, at most ``max_depth`` deep;
         ``base=False`` leaves the base drafter's tree out (the lookup chain alone)."""
-        from .lookup import graft_chain, prompt_lookup
+        from .lookup import append_chain, prompt_lookup
 
         tree, drafts = propose(self.base, hidden, tokens, max_depth, mid, cache, base=base)
         self._pending = None
         chain_ = prompt_lookup(tokens, min(self.num_draft, max_depth), self.max_ngram, self.min_ngram)
         if not chain_ or not self._wanted():
             return tree, drafts
-        choices, fill = graft_chain(tree, [tokens[-1]] + drafts.tolist(), chain_)
-        if len(choices) == tree.size - 1:
-            return tree, drafts  # the heads drafted the whole chain already
-        key = tuple(choices)
-        merged = self._trees.get(key)
-        if merged is None:
-            merged = self._trees[key] = build_tree(choices)
-        old = set(tree.choices)
-        self._pending = (merged, {i for i, c in enumerate(merged.choices, start=1) if c not in old})
-        return merged, mx.array([fill[c] for c in merged.choices], dtype=mx.int32)
+        key = (tree, len(chain_))
+        if key not in self._trees:
+            merged, take = append_chain(tree, len(chain_))
+            grafted = {i for i, j in enumerate(take.tolist(), start=1) if j >= tree.size - 1}
+            self._trees[key] = merged, mx.array(take), grafted
+        merged, take, grafted = self._trees[key]
+        self._pending = (merged, grafted)
+        return merged, mx.concatenate([drafts, mx.array(chain_, dtype=mx.int32)])[take]
 
 
 def propose(drafter, hidden, tokens, max_depth: int, mid=None, cache=None,

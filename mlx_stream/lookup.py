@@ -1,4 +1,4 @@
-"""Prompt lookup: drafts copied from the context, grafted into the heads' tree.
+"""Prompt lookup: drafts copied from the context, grafted beside the heads' tree.
 
 Generated text often repeats spans of its context: the document being summarised,
 the passage a question is about, the code being edited, or its own earlier output.
@@ -6,7 +6,7 @@ When the last few tokens occurred before, the tokens that followed them then are
 cheap and often long draft (prompt lookup decoding, Saxena 2023; LLMA, Yang et al.
 2023, "Inference with Reference"; vLLM's and transformers' n-gram speculation).
 The stream heads are weakest exactly there (exact copies of long spans), so the
-lookup chain is grafted into their draft tree: one forward pass verifies both.
+lookup chain is grafted beside their draft tree: one forward pass verifies both.
 
 Pure functions; :class:`~mlx_stream.drafters.LookupDrafter` uses them.
 """
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .tree import Choice, Tree
+from .tree import Tree, build_tree
 
 
 def match_suffix(tokens: Sequence[int] | np.ndarray, max_ngram: int = 6, min_ngram: int = 2) -> tuple[int, int]:
@@ -95,37 +95,27 @@ def prompt_lookup(tokens: Sequence[int] | np.ndarray, num_draft: int, max_ngram:
     return copy_from(tokens, start, lookup_length(n, num_draft)) if n else []
 
 
-def graft_chain(tree: Tree, node_tokens: Sequence[int], chain: Sequence[int]) -> tuple[list[Choice], dict]:
-    """Merge a chain of drafted tokens into a filled draft tree, sharing prefixes.
+def append_chain(tree: Tree, length: int) -> tuple[Tree, np.ndarray]:
+    """The tree with a chain of ``length`` nodes added under the root as its last child.
 
-    From the root, the chain follows the existing child that holds its next token
-    while there is one; the rest of the chain hangs below the last shared node as new
-    nodes (each the last child of its parent). Sibling tokens stay distinct, so the
-    merged tree verifies exactly as each part would alone and accepts the longer of
-    the two accepted paths.
+    The shape does not depend on any token, so the chain (copied on the host) and the
+    base tree's drafts (still on the device) are joined without a host sync. Where the
+    chain's first tokens repeat the base tree's drafts, siblings hold the same token;
+    verification follows every matching branch and keeps the longest accepted path
+    (:func:`~mlx_stream.verify.verify_greedy`, :func:`~mlx_stream.verify.verify_coupled`).
 
     Args:
-        tree: the filled tree's shape (N nodes).
-        node_tokens: ``N`` ints, its tokens (root first).
-        chain: tokens to draft after the root, in order.
+        tree: the base tree's shape (N nodes).
+        length: the chain's length (>= 1).
 
     Returns:
-        ``(choices, tokens)``: the merged tree's paths (sibling ordinals: a node's
-        ``rank`` is its index among its parent's children, :func:`~mlx_stream.tree.build_tree`
-        builds it) and ``{path: token}`` for every non-root node.
+        ``(merged, take)``: the merged tree (N + length nodes) and ``(N - 1 + length,)``
+        int32 indices such that its drafts, in node order, are
+        ``concatenate([base drafts, chain])[take]``.
     """
-    tokens = {c: int(node_tokens[i]) for i, c in enumerate(tree.choices, start=1)}
-    kids: dict[Choice, list[Choice]] = {(): []}
-    for c in tree.choices:
-        kids.setdefault(c[:-1], []).append(c)
-        kids.setdefault(c, [])
-    at: Choice = ()
-    for t in chain:
-        nxt = next((c for c in kids[at] if tokens[c] == int(t)), None)
-        if nxt is None:
-            nxt = at + (max((c[-1] for c in kids[at]), default=-1) + 1,)
-            kids[at].append(nxt)
-            kids[nxt] = []
-            tokens[nxt] = int(t)
-        at = nxt
-    return sorted(tokens, key=lambda c: (len(c), c)), tokens
+    r = max((c[0] for c in tree.choices if len(c) == 1), default=-1) + 1  # the root's next rank
+    links = [(r,) + (0,) * d for d in range(length)]
+    merged = build_tree(list(tree.choices) + links)
+    index = {c: i for i, c in enumerate(tree.choices)}
+    index.update({c: len(tree.choices) + d for d, c in enumerate(links)})
+    return merged, np.array([index[c] for c in merged.choices], dtype=np.int32)

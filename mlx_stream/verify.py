@@ -30,7 +30,10 @@ def verify_greedy(
     argmax at the current node, while one exists (Medusa, Cai et al. 2024, sec. 2.1.2;
     Speculative Streaming, Bhendawade et al. 2024, sec. 3.2). Because each accepted
     draft equals the token greedy decoding would have produced, the output is
-    token-for-token the target's greedy output.
+    token-for-token the target's greedy output. Siblings may draft the same token
+    (a prompt-lookup chain grafted beside the heads' tree): every matching branch is
+    followed and the longest accepted path is kept, the later sibling's on ties; all
+    of them emit the same tokens, so the choice only sets how many are accepted.
 
     Args:
         tree: the tree the forward pass ran over (N nodes).
@@ -41,15 +44,7 @@ def verify_greedy(
         ``(path, next_token)``: the accepted nodes (``path[0] == 0``) and the argmax
         at the last of them.
     """
-    node = 0
-    path = [0]
-    while True:
-        want = targets[node]
-        nxt = next((c for c in tree.children[node] if tokens[c] == want), None)
-        if nxt is None:
-            return path, int(want)
-        node = nxt
-        path.append(node)
+    return _longest_path(tree, tokens, lambda node: int(targets[node]))
 
 
 def verify_sample(
@@ -146,6 +141,9 @@ def verify_coupled(
     token is a deterministic function of its position's uniform and the target's
     distribution there, so with uniforms keyed by (seed, position) the output does not
     depend on what was drafted: speculative and plain decoding give the same tokens.
+    Siblings drafting the same token are all followed and the longest accepted path is
+    kept (the later sibling's on ties): the tokens emitted along any of them are the
+    same draws, so this is still the rule above, accepting more.
 
     Args:
         tree: the tree the forward pass ran over (N nodes).
@@ -157,12 +155,20 @@ def verify_coupled(
     Returns:
         ``(path, next_token)`` as for :func:`verify_greedy`.
     """
-    node = 0
-    path = [0]
-    while True:
-        x = sample_index(probs[node], uniforms[int(tree.depths[node])])
-        nxt = next((c for c in tree.children[node] if tokens[c] == x), None)
-        if nxt is None:
-            return path, x
-        node = nxt
-        path.append(node)
+    return _longest_path(tree, tokens, lambda node: sample_index(probs[node], uniforms[int(tree.depths[node])]))
+
+
+def _longest_path(tree: Tree, tokens: Sequence[int], target) -> tuple[list[int], int]:
+    # follow every child that drafts the target's token (``target(node)``, a deterministic
+    # function of the node); siblings may draft the same token (a grafted prompt-lookup
+    # chain), so keep the longest accepted path, the later one (depth-first) on ties
+    best = ([0], target(0))
+    stack = [([0], best[1])]
+    while stack:
+        path, x = stack.pop()
+        if len(path) >= len(best[0]):
+            best = (path, x)
+        for c in reversed(tree.children[path[-1]]):  # earlier siblings are visited first
+            if tokens[c] == x:
+                stack.append((path + [c], target(c)))
+    return best

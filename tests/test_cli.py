@@ -149,10 +149,10 @@ def test_eval_heads_reports_tau_per_group(tiny_dir, tmp_path):
     q.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "tau.json"
     r = run("eval-heads", "--model", str(tiny_dir), "--prompts", str(q), "--max-tokens", "6", "--heads", "none", "--workers", "2",
-            "--out", str(out))
+            "--per-category", "1", "--out", str(out))  # (the same option as --per-group)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
-    assert res["all"]["prompts"] == 5 and res["group:mt-bench"]["prompts"] == 2 and res["group:qa"]["prompts"] == 2
+    assert res["all"]["prompts"] == 3 and res["group:mt-bench"]["prompts"] == 1 and res["group:qa"]["prompts"] == 1
     assert res["all"]["tau"] == pytest.approx(1.0)  # plain decoding: one token per pass
 
 

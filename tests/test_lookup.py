@@ -1,4 +1,4 @@
-"""Prompt lookup: the n-gram match, grafting into the heads' tree, and the loop with it."""
+"""Prompt lookup: the n-gram match, the chain beside the heads' tree, and the loop with it."""
 
 import numpy as np
 import pytest
@@ -7,8 +7,8 @@ from helpers import SelfDrafter, assert_greedy_identical, mlx_lm_greedy, ours
 from mlx_stream import stream_generate
 from mlx_stream.drafters import LookupDrafter, NoDrafter, propose
 from mlx_stream.heads import new_heads
-from mlx_stream.lookup import copy_from, graft_chain, lookup_length, match_suffix, prompt_lookup
-from mlx_stream.tree import build_tree, sparse
+from mlx_stream.lookup import append_chain, copy_from, lookup_length, match_suffix, prompt_lookup
+from mlx_stream.tree import build_tree, no_drafts, sparse
 from mlx_stream.verify import verify_greedy
 
 
@@ -57,36 +57,63 @@ def test_a_loop_is_continued_past_the_end_of_the_context():
     assert prompt_lookup([8, 1, 2, 3, 1, 2, 3, 1, 2], 7) == [3, 1, 2, 3, 1, 2, 3]
 
 
-def test_graft_shares_the_prefix_and_keeps_siblings_distinct():
+def test_append_chain_adds_a_branch_whose_shape_needs_no_tokens():
     tree = build_tree([(0,), (1,), (0, 0), (0, 1), (1, 0)])
-    toks = [100] + [10, 11, 20, 21, 30]  # root, then nodes in tree order
-    named = dict(zip(tree.choices, toks[1:]))
-    # the chain's first two tokens are the (0,) -> (0, 1) path; its third is new
-    choices, fill = graft_chain(tree, toks, [10, 21, 40, 41])
-    merged = build_tree(choices)
-    assert merged.size == tree.size + 2
-    assert all(fill[c] == named[c] for c in tree.choices)  # old nodes keep their tokens
-    assert fill[(0, 1, 0)] == 40 and fill[(0, 1, 0, 0)] == 41
-    # a chain that shares nothing hangs under the root as a new last child
-    choices, fill = graft_chain(tree, toks, [12, 13])
-    assert fill[(2,)] == 12 and fill[(2, 0)] == 13
-    # a chain already in the tree adds nothing
-    assert graft_chain(tree, toks, [11, 30])[0] == list(tree.choices)
-    for cs, f in [graft_chain(tree, toks, [10, 21, 40, 41]), graft_chain(tree, toks, [12, 13])]:
-        t = build_tree(cs)
-        node_tokens = [100] + [f[c] for c in t.choices]
-        for kids in t.children:
-            assert len({node_tokens[k] for k in kids}) == len(kids)
+    base = np.array([10, 11, 20, 21, 30])  # the base drafts, in its node order
+    chain_ = np.array([40, 41, 42])
+    merged, take = append_chain(tree, 3)
+    assert merged.size == tree.size + 3
+    assert set(tree.choices) < set(merged.choices)
+    assert {(2,), (2, 0), (2, 0, 0)} == set(merged.choices) - set(tree.choices)
+    fill = dict(zip(merged.choices, np.concatenate([base, chain_])[take].tolist()))
+    assert all(fill[c] == t for c, t in zip(tree.choices, base.tolist()))  # base nodes keep their tokens
+    assert [fill[(2,)], fill[(2, 0)], fill[(2, 0, 0)]] == [40, 41, 42]
+    # a root with gaps in its ranks: the chain takes the next free one
+    merged, take = append_chain(build_tree([(0,), (2,)]), 1)
+    assert (3,) in merged.choices and merged.size == 4
+    assert append_chain(no_drafts(), 2)[0].choices == ((0,), (0, 0))
 
 
-def test_greedy_verification_of_a_grafted_tree_follows_the_longer_branch():
-    tree = build_tree([(0,)])
-    choices, fill = graft_chain(tree, [1, 7], [7, 8, 9])  # shares the head's draft, then extends it
-    t = build_tree(choices)
-    toks = [1] + [fill[c] for c in t.choices]
+def test_greedy_verification_keeps_the_longest_of_equal_siblings():
+    # the heads drafted 7 (node 1); the chain 7, 8, 9 hangs beside it (nodes 2, 3, 4)
+    t, take = append_chain(build_tree([(0,)]), 3)
+    toks = [1] + np.concatenate([[7], [7, 8, 9]])[take].tolist()
     targets = {1: 7, 7: 8, 8: 9, 9: 5}
     path, nxt = verify_greedy(t, toks, [targets[x] for x in toks])
     assert [toks[i] for i in path] == [1, 7, 8, 9] and nxt == 5
+    # equal lengths: the later sibling (the chain) is kept, so the drafter credits it
+    targets = {1: 7, 7: 3, 8: 9, 9: 5}
+    path, nxt = verify_greedy(t, toks, [targets[x] for x in toks])
+    assert len(path) == 2 and path[1] == 2 and nxt == 3
+    # the heads' branch is longer: it wins although it comes first
+    t = build_tree([(0,), (1,), (0, 0), (0, 0, 0)])
+    toks = [1, 7, 7, 8, 9]  # node 2 (rank 1) repeats node 1's token but has no children
+    path, nxt = verify_greedy(t, toks, [7, 8, 3, 9, 4])
+    assert path == [0, 1, 3, 4] and nxt == 4
+
+
+def test_coupled_verification_with_equal_siblings_emits_the_plain_draws():
+    from mlx_stream.verify import sample_index, verify_coupled
+
+    rng = np.random.default_rng(0)
+    t, take = append_chain(build_tree([(0,), (0, 0)]), 3)  # heads: a, b; chain: a, b', c
+    V = 5
+    for _ in range(300):
+        probs = rng.dirichlet(np.ones(V) * 0.3, size=t.size)
+        u = rng.random(t.depth + 1)
+        heads, chain_ = rng.integers(0, V, 2), rng.integers(0, V, 3)
+        chain_[0] = heads[0]
+        toks = [0] + np.concatenate([heads, chain_])[take].tolist()
+        path, nxt = verify_coupled(t, toks, probs, u)
+        # the emitted tokens are the draws along the path, each with its depth's uniform
+        emitted = [toks[i] for i in path[1:]] + [nxt]
+        for d, i in enumerate(path):
+            assert emitted[d] == sample_index(probs[i], u[d])
+        # and no other branch accepts more
+        for leaf in range(t.size):
+            p = [int(x) for x in [0] + [j for j in t.paths[leaf]]]
+            ok = all(toks[p[k + 1]] == sample_index(probs[p[k]], u[k]) for k in range(len(p) - 1))
+            assert not ok or len(p) <= len(path)
 
 
 def test_propose_grafts_only_when_the_context_repeats(tiny):
@@ -114,7 +141,7 @@ def test_propose_grafts_only_when_the_context_repeats(tiny):
     base, bd = propose(hd.base, mx.array(hs), ctx, 8)
     node_tokens = [ctx[-1]] + drafts.tolist()
     paths = [[node_tokens[i] for i in p] for p in t.paths]
-    assert [7, 8, 9] in paths and base.size <= t.size <= base.size + 3
+    assert [7, 8, 9] in paths and t.size == base.size + 3
     base_tokens = [ctx[-1]] + bd.tolist()
     assert all([base_tokens[i] for i in p] in paths for p in base.paths)  # the heads' tree is kept
     with pytest.raises(ValueError):

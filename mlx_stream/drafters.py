@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 import mlx.core as mx
 
-from .tree import Tree, build_tree, no_drafts
+from .tree import Tree, no_drafts
 
 
 class Drafter(Protocol):

@@ -2,14 +2,15 @@
 
 MLX is lazy: work runs where the host first needs a value, and MLX's functions are
 not visible to cProfile, so their time counts as the calling Python function's own
-time. The loop syncs once per step in verification (``pick``: the forward pass, the
-output projection and the argmax/probabilities all run there); drafting syncs once
-when prompt lookup needs the heads' tokens (``propose``). So the profile splits a
-step into:
+time. The loop syncs once per step, in verification (``pick``: the heads' drafts, the
+forward pass, the output projection and the argmax/probabilities all run there;
+prompt lookup's chain is copied on the host and joins the drafts without a sync). So
+the profile splits a step into:
 
 * forward (compute): ``pick``'s own time;
 * graph building (Python): ``tree_hidden`` and ``project`` (ops recorded, not run);
-* drafting: ``propose`` (heads, prompt lookup, merging the trees);
+* drafting (graph building and prompt lookup): ``propose`` (the heads' ops recorded,
+  the context searched, the chain appended);
 * verification: ``verify_greedy`` / ``verify_coupled``;
 * KV cache: ``keep_path``;
 * text: the stop-condition and detokenizer step (``push``);
@@ -52,7 +53,7 @@ def breakdown(stats: pstats.Stats, prefill_s: float = 0.0) -> dict:
         "prefill (compute)": prefill_s,
         "forward (compute, synced in verification)": own("pick", "generate.py"),
         "graph building (tree_hidden, project)": cum("tree_hidden") + cum("project", "models"),
-        "drafting (heads + prompt lookup)": cum("propose", "drafters.py"),
+        "drafting (heads graph + prompt lookup)": cum("propose", "drafters.py"),
         "verification (host)": cum("verify_greedy") + cum("verify_coupled"),
         "KV cache (keep_path)": cum("keep_path"),
         "text (stop strings, detokenizer)": cum("push", "generate.py"),

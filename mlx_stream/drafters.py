@@ -9,7 +9,7 @@ separate draft model later) use the emitted tokens instead.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 
@@ -44,6 +44,30 @@ class Drafter(Protocol):
         Returns:
             ``(tree.size - 1,)`` int32 draft tokens in node order (may stay lazy).
         """
+        ...
+
+
+@runtime_checkable
+class TreeProposer(Protocol):
+    """A drafter whose tree changes from step to step (optional, beside :class:`Drafter`).
+
+    The loop calls :meth:`propose` instead of filling ``drafter.tree``
+    (:func:`propose`); :class:`LookupDrafter` is one.
+    """
+
+    def propose(self, hidden: mx.array, tokens: Sequence[int], max_depth: int, mid=None, cache=None,
+                base: bool = True) -> tuple[Tree, mx.array]:
+        """This step's tree (at most ``max_depth`` deep; ``base=False``: without the
+        static tree) and its ``(N - 1,)`` int32 drafts in node order, lazy (no host sync)."""
+        ...
+
+
+@runtime_checkable
+class AcceptanceObserver(Protocol):
+    """A drafter that learns from verification (optional): after every step the loop
+    reports the verified tree and the accepted path (node indices, root first)."""
+
+    def observe(self, tree: Tree, path: Sequence[int]) -> None:
         ...
 
 
@@ -297,15 +321,15 @@ def propose(drafter, hidden, tokens, max_depth: int, mid=None, cache=None,
             base: bool = True) -> tuple[Tree, mx.array]:
     """One step's draft tree and tokens from any drafter, at most ``max_depth`` deep.
 
-    Drafters with a ``propose`` method (trees that change per step, like
-    :class:`LookupDrafter`) answer themselves; static drafters fill ``drafter.tree``
+    A :class:`TreeProposer` (a tree that changes per step, like :class:`LookupDrafter`)
+    answers itself; static drafters fill ``drafter.tree``
     truncated to ``max_depth``. ``base=False`` drops the static tree (a plain step,
     plus whatever a dynamic drafter adds on its own).
 
     Returns:
         ``(tree, drafts)``: ``drafts`` is ``(tree.size - 1,)`` int32 in node order.
     """
-    if hasattr(drafter, "propose"):
+    if isinstance(drafter, TreeProposer):
         return drafter.propose(hidden, tokens, max_depth, mid=mid, cache=cache, base=base)
     tree = drafter.tree.truncate(max_depth if base else 0)
     if tree.size == 1:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .adaptive import SpeculationPolicy
 from .cache import cache_offset, keep_path, make_tree_cache, trim_cache
-from .drafters import Drafter, HeadsDrafter, LookupDrafter, NoDrafter, propose
+from .drafters import AcceptanceObserver, Drafter, HeadsDrafter, LookupDrafter, NoDrafter, propose
 from .sampling import LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .tree import Tree, no_drafts, parse_tree
 from .verify import verify_coupled, verify_greedy
@@ -378,7 +378,7 @@ def stream_generate(
         path, y, node_list, lps = pick(t, node_tokens, fam.project(backbone, h), tokens)
         if policy is not None and depth >= 1 and t.size == static:  # timings of steps without a chain
             policy.observe(static > 1, time.perf_counter() - step_tic, len(path))
-        if hasattr(drafter, "observe"):  # drafters that learn from what was accepted (prompt lookup)
+        if isinstance(drafter, AcceptanceObserver):  # learns from what was accepted (prompt lookup)
             drafter.observe(t, path)
         keep_path(cache.layers, start, path)
         cache.tokens.extend(node_list[i] for i in path)

@@ -16,6 +16,10 @@ the profile splits a step into:
 * text: the stop-condition and detokenizer step (``push``);
 * other Python: the rest of the generator.
 
+Prefill is the loop's own timing of the prompt (as mlx-lm's ``prompt_tps``: up to the
+first token, so its last projection is also under "forward"); "other Python" is what
+remains and may come out slightly negative by that overlap.
+
 Usage (OpenBLAS preloaded, one thread, on a quiet machine)::
 
     python benchmarks/profile_loop.py --prompts spec-bench --per-group 2 --max-tokens 128

@@ -65,9 +65,10 @@ class TreeProposer(Protocol):
 @runtime_checkable
 class AcceptanceObserver(Protocol):
     """A drafter that learns from verification (optional): after every step the loop
-    reports the verified tree and the accepted path (node indices, root first)."""
+    reports the verified tree, its ``N`` node tokens (root first) and the tokens the step
+    emitted (the accepted drafts, then the target's next token)."""
 
-    def observe(self, tree: Tree, path: Sequence[int]) -> None:
+    def observe(self, tree: Tree, tokens: Sequence[int], emitted: Sequence[int]) -> None:
         ...
 
 
@@ -236,9 +237,10 @@ class LookupDrafter:
     after an n-token match, at most ``num_draft``); a step without a match drafts the
     base tree alone.
 
-    Chains pay only while their tokens are accepted: the loop reports each verified
+    Chains pay only while they add accepted tokens: the loop reports each verified
     tree (:meth:`observe`), the drafter keeps a moving average (weight ``decay``) of the
-    fraction of its grafted nodes that were accepted, and while it is below
+    tokens the chain accepted beyond what the base tree accepted on its own, per chain
+    node drafted, and while it is below
     ``min_accept`` (a drafted node costs about a tenth of a forward pass on a CPU) only
     every ``explore_every``-th match is drafted (from the ``prior`` of 0.25, four misses
     in a row stop it). Text that does not repeat (sampling at high temperature) thus
@@ -252,7 +254,7 @@ class LookupDrafter:
         min_accept, explore_every, decay, prior: the acceptance gate (above).
 
     Attributes:
-        accept_rate: the moving average of accepted / grafted nodes, starting from
+        accept_rate: the moving average of tokens gained / chain nodes, starting from
             ``prior`` (so a few misses in a row are needed to stop drafting copies).
 
     Raises:
@@ -270,7 +272,7 @@ class LookupDrafter:
         self.capture = getattr(base, "capture", None)
         self.accept_rate = prior
         self._skipped = 0
-        self._pending: tuple | None = None  # (tree, indices of its grafted nodes) of the last proposal
+        self._pending: tuple | None = None  # (tree, indices of its chain's nodes) of the last proposal
         self._trees: dict = {}  # merged shapes seen so far (a handful per base tree)
 
     def _wanted(self) -> bool:
@@ -282,13 +284,23 @@ class LookupDrafter:
             return True
         return False
 
-    def observe(self, tree: Tree, path: Sequence[int]) -> None:
-        """Record a verified tree and its accepted path (node indices, root first)."""
+    def observe(self, tree: Tree, tokens: Sequence[int], emitted: Sequence[int]) -> None:
+        """Record a verified tree: its ``N`` node tokens (root first) and the tokens the
+        step emitted (accepted drafts, then the target's next token)."""
         if self._pending is None or self._pending[0] is not tree:
             return
-        grafted = self._pending[1]
-        rate = len(grafted.intersection(path)) / len(grafted)
-        self.accept_rate += self.decay * (rate - self.accept_rate)
+        chain_nodes = self._pending[1]
+        # a node is accepted when its path spells a prefix of the emitted tokens
+        ok = [True] + [False] * (tree.size - 1)
+        best = {True: 0, False: 0}  # deepest accepted chain node / base node
+        for i in range(1, tree.size):
+            d = int(tree.depths[i])
+            ok[i] = ok[int(tree.parents[i])] and d <= len(emitted) and int(tokens[i]) == int(emitted[d - 1])
+            if ok[i]:
+                key = i in chain_nodes
+                best[key] = max(best[key], d)
+        gain = max(best[True] - best[False], 0) / len(chain_nodes)
+        self.accept_rate += self.decay * (gain - self.accept_rate)
         self._pending = None
 
     @property

@@ -378,14 +378,14 @@ def stream_generate(
         path, y, node_list, lps = pick(t, node_tokens, fam.project(backbone, h), tokens)
         if policy is not None and depth >= 1 and t.size == static:  # timings of steps without a chain
             policy.observe(static > 1, time.perf_counter() - step_tic, len(path))
-        if isinstance(drafter, AcceptanceObserver):  # learns from what was accepted (prompt lookup)
-            drafter.observe(t, path)
         keep_path(cache.layers, start, path)
         cache.tokens.extend(node_list[i] for i in path)
         hidden = h[path[-1]]
         mid = mids[path[-1]] if mids is not None else None
         accepted, drafted = len(path) - 1, t.size - 1
         chunk = [node_list[i] for i in path[1:]] + [y]
+        if isinstance(drafter, AcceptanceObserver):  # learns from what was accepted (prompt lookup)
+            drafter.observe(t, node_list, chunk)
         n_fwd += 1
 
 

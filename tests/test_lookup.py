@@ -202,18 +202,51 @@ def test_chains_that_are_not_accepted_stop_being_drafted(tiny):
     ctx = [4, 5, 6, 7, 8, 9, 4, 5, 6]
     drafted = []
     for step in range(24):
-        t, _ = propose(d, h, ctx, 8)
+        t, drafts = propose(d, h, ctx, 8)
         drafted.append(t.size > 1)
-        d.observe(t, [0])  # nothing accepted
+        d.observe(t, [6] + drafts.tolist(), [1])  # nothing accepted: the target said 1
     assert d.accept_rate < d.min_accept
     # from the prior (0.25), four misses in a row bring the rate below 0.1; then one try in 4 matches
     assert all(drafted[:4]) and not drafted[4] and sum(drafted[12:]) == 3
     for step in range(8):  # the copies start being accepted: drafting resumes
-        t, _ = propose(d, h, ctx, 8)
-        d.observe(t, list(range(t.size)))
+        t, drafts = propose(d, h, ctx, 8)
+        if t.size > 1:
+            d.observe(t, [6] + drafts.tolist(), drafts.tolist() + [2])
     t, _ = propose(d, h, ctx, 8)
     assert t.size > 1 and d.accept_rate >= d.min_accept
     # a tree the drafter did not propose (a plain step) is ignored
     rate = d.accept_rate
-    d.observe(build_tree([]), [0])
+    d.observe(build_tree([]), [6], [7])
     assert d.accept_rate == rate
+
+
+class _Fixed:
+    """A static drafter with fixed drafts (for the gate's bookkeeping)."""
+
+    capture = None
+
+    def __init__(self, choices, drafts):
+        self.tree = build_tree(choices)
+        self._drafts = drafts
+
+    def draft(self, hidden, tokens, mid=None, cache=None):
+        import mlx.core as mx
+
+        return mx.array(self._drafts, dtype=mx.int32)
+
+
+def test_the_gate_credits_only_tokens_the_chain_adds():
+    ctx = [4, 5, 6, 7, 8, 9, 4, 5, 6]  # the chain copies 7, 8, 9
+    d = LookupDrafter(_Fixed([(0,)], [7]), num_draft=3, prior=0.5, decay=1.0, min_accept=0.0)  # rate: the last step
+    t, drafts = propose(d, None, ctx, 8)
+    toks = [6] + drafts.tolist()
+    assert t.size == 5 and sorted(toks[1:]) == [7, 7, 8, 9]
+    d.observe(t, toks, [7, 3])  # the head's 7 alone would have been accepted: the chain added nothing
+    assert d.accept_rate == 0.0
+    t, drafts = propose(d, None, ctx, 8)
+    d.observe(t, [6] + drafts.tolist(), [7, 8, 5])  # one token more than the head's branch
+    assert d.accept_rate == pytest.approx(1 / 3)
+    d = LookupDrafter(_Fixed([(0,)], [1]), num_draft=3, decay=1.0)  # the head drafts something else
+    t, drafts = propose(d, None, ctx, 8)
+    d.observe(t, [6] + drafts.tolist(), [7, 8, 9, 4])
+    assert d.accept_rate == 1.0

@@ -41,6 +41,9 @@ class GenerationResponse:
         drafted: drafts verified by the forward pass that produced this step's tokens
             (0 for a plain step, and for the first token, which comes from the prefill).
         prompt_tokens: prompt length in tokens (including reused cache entries).
+        cached_tokens: how many of ``prompt_tokens`` came from a reused
+            :class:`PromptCache` rather than being prefilled (as OpenAI's
+            ``usage.prompt_tokens_details.cached_tokens``).
         prompt_tps: prefill speed, tokens/s (over the tokens actually prefilled).
         generation_tokens: tokens emitted so far.
         generation_tps: tokens/s since the first token.
@@ -67,6 +70,7 @@ class GenerationResponse:
     tau: float = 0.0
     logprobs: list[float] | None = None
     drafted: int = 0
+    cached_tokens: int = 0
 
 
 class PromptCache:
@@ -352,7 +356,7 @@ def stream_generate(
             generation_tokens=len(emitter.tokens), generation_tps=len(emitter.tokens) / elapsed,
             forward_passes=n_fwd, peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
             tau=(len(emitter.tokens) + emitter.eos_hit - 1) / n_fwd if n_fwd else 0.0,
-            logprobs=lps[: len(kept)], drafted=drafted,
+            logprobs=lps[: len(kept)], drafted=drafted, cached_tokens=reused,
         )
         if reason is not None:
             return

@@ -1,6 +1,9 @@
 # mlx-stream: the two commands.
-#   make chat   set everything up (venv, package, default weights, OpenBLAS) and chat
-#   make test   the same setup plus the test dependencies, then the test suite
+#   make chat      set everything up (venv, package, default weights, OpenBLAS) and chat
+#   make test      the same setup plus the test dependencies, then the quick test tier (< 10 min)
+# and for CI and before a release:
+#   make test-all  lint (ruff) and every test: the 20-prompt real-model identity, the
+#                  chi-square sampling tests, the SIGKILL-and-resume tests
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +13,7 @@ OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 # (checked when the command runs, so an OpenBLAS installed by the setup step is used at once)
 RUN_ENV = env $$( [ -e $(OPENBLAS) ] && echo "LD_PRELOAD=$(OPENBLAS) OPENBLAS_NUM_THREADS=1" )
 
-.PHONY: setup chat test heads clean
+.PHONY: setup chat test test-all lint heads clean
 
 setup: $(VENV)/.installed
 
@@ -38,7 +41,14 @@ chat: setup
 	$(RUN_ENV) $(VENV)/bin/mlx-stream chat
 
 test: $(VENV)/.installed-test
+	$(RUN_ENV) $(PY) -m pytest $(PYTEST_ARGS) -m "not slow"
+
+test-all: lint
 	$(RUN_ENV) $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 # The shipped heads for the default model, from nothing (Magpie prompts, self-distillation,
 # training); resumable: rerun after an interruption. Then copied into the package data.

@@ -24,10 +24,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_stream.bench import draft_times
+from mlx_stream.cost import draft_times
 from mlx_stream.heads import new_heads
 from mlx_stream.loader import load
-from mlx_stream.train.data import read_jsonl
+from mlx_stream.prompts import read_jsonl
 from mlx_stream.train.features import FeatureCache, targets_for
 from mlx_stream.train.pipeline import choose_draft_vocab
 from mlx_stream.train.streams import sequence_features, stream_ranks, train_stream_heads

@@ -2,12 +2,12 @@
 
 MLX is lazy: work runs where the host first needs a value, and MLX's functions are
 not visible to cProfile, so their time counts as the calling Python function's own
-time. The loop syncs once per step, in verification (``pick``: the heads' drafts, the
+time. The loop syncs once per step, in verification (``_TreeVerifier.__call__``: the heads' drafts, the
 forward pass, the output projection and the argmax/probabilities all run there;
 prompt lookup's chain is copied on the host and joins the drafts without a sync). So
 the profile splits a step into:
 
-* forward (compute): ``pick``'s own time;
+* forward (compute): ``_TreeVerifier.__call__``'s own time;
 * graph building (Python): ``tree_hidden`` and ``project`` (ops recorded, not run);
 * drafting (graph building and prompt lookup): ``propose`` (the heads' ops recorded,
   the context searched, the chain appended);
@@ -55,13 +55,13 @@ def breakdown(stats: pstats.Stats, prefill_s: float = 0.0) -> dict:
     total = cum("stream_generate", "generate.py")
     parts = {
         "prefill (compute)": prefill_s,
-        "forward (compute, synced in verification)": own("pick", "generate.py"),
+        "forward (compute, synced in verification)": own("__call__", "generate.py"),
         "graph building (tree_hidden, project)": cum("tree_hidden") + cum("project", "models"),
         "drafting (heads graph + prompt lookup)": cum("propose", "drafters.py"),
         "verification (host)": cum("verify_greedy") + cum("verify_coupled"),
         "KV cache (keep_path)": cum("keep_path"),
         "text (stop strings, detokenizer)": cum("push", "generate.py"),
-        "logits processing (log_softmax, sampling filters)": cum("pick", "generate.py") - own("pick", "generate.py")
+        "logits processing (log_softmax, sampling filters)": cum("__call__", "generate.py") - own("__call__", "generate.py")
         - cum("verify_greedy") - cum("verify_coupled"),
     }
     parts["other Python"] = total - sum(parts.values())
@@ -70,8 +70,7 @@ def breakdown(stats: pstats.Stats, prefill_s: float = 0.0) -> dict:
 
 def main() -> None:
     import mlx_stream
-    from mlx_stream.bench import load_prompts, load_spec_bench
-    from mlx_stream.train.data import prompt_ids
+    from mlx_stream.prompts import prompt_ids, select_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", default="spec-bench")
@@ -82,10 +81,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the breakdown as JSON here")
     args = ap.parse_args()
     model, tok = mlx_stream.load(heads="default")
-    if args.prompts == "spec-bench":
-        texts = [it["prompt"] for it in load_spec_bench("../shared/data/spec_bench/question.jsonl", args.per_group)]
-    else:
-        texts = load_prompts(Path(args.prompts), args.limit)
+    texts, _ = select_prompts(args.prompts, args.limit, args.per_group)
     for _ in mlx_stream.stream_generate(model, tok, prompt_ids(tok, "Hello"), max_tokens=8):
         pass  # warm-up
     prof, tokens, passes, prefill = cProfile.Profile(), 0, 0, 0.0

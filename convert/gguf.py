@@ -22,7 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .staging import staged_folder
+from mlx_stream.files import staged_folder
 
 _LAYER_MAP = {
     "attn_norm": "input_layernorm",

@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .staging import staged_folder
+from mlx_stream.files import staged_folder
 
 TOKENIZER_FILES = (
     "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -14,6 +14,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlx_stream.files import staged_folder
+
 from .config import HeadConfig
 from .modules import StreamHeads
 
@@ -109,24 +111,11 @@ def save_heads(heads: StreamHeads, path: str | Path, dtype: mx.Dtype | None = No
     interrupted save leaves either the old folder or the new one, never half of one.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    os.chmod(tmp, 0o755)
-    try:
+    with staged_folder(path, replace=True) as tmp:
         (tmp / "config.json").write_text(heads.config.to_json())
         weights = {k: v.astype(dtype) if dtype is not None and mx.issubdtype(v.dtype, mx.floating) else v
                    for k, v in tree_flatten(heads.parameters())}
         mx.save_safetensors(str(tmp / "heads.safetensors"), weights, metadata={"format": "mlx"})
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -19,6 +19,8 @@ import platform
 from pathlib import Path
 from typing import Sequence
 
+from .cost import draft_times, forward_cost
+from .files import write_json
 from .tree import Tree, format_tree, parse_tree
 
 
@@ -35,8 +37,6 @@ def score_trees(model, candidates: Sequence[tuple[Tree, float]], repeats: int = 
         "speedup_bound"}, ...]}`` in the order of ``candidates``; ``cost`` is c(N+1) plus
         the drafting time in units of a 1-token forward, ``speedup_bound = tau / cost``.
     """
-    from .bench import draft_times, forward_cost
-
     nodes = [t.size for t, _ in candidates]
     costs = forward_cost(model, sizes=tuple(sorted(set(nodes) | {1})), repeats=repeats)
     drafted = [t for t, _ in candidates if t.size > 1]
@@ -55,7 +55,7 @@ def device_key(model) -> dict:
     """What the costs depend on: the heads, the backbone, its dtype, and the machine."""
     import mlx.core as mx
 
-    from .env import openblas_loaded
+    from .env import openblas_active
 
     cfg = model.heads.config
     dtype = str(next(iter(v.dtype for _, v in _params(model.backbone))))
@@ -65,7 +65,7 @@ def device_key(model) -> dict:
         "dtype": dtype,
         "device": str(mx.default_device()),
         "machine": f"{platform.system()} {platform.machine()} {platform.processor()} {os.cpu_count()} CPUs",
-        "openblas": openblas_loaded(),
+        "openblas": openblas_active(),
         "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""),
     }
 
@@ -116,10 +116,7 @@ def auto_tree(model, cache_dir: str | Path | None = None, refresh: bool = False)
         (parse_tree(t, model.heads.num_heads), float(tau)) for t, tau in sorted(cands.items()) if t != "none"]
     info = score_trees(model, candidates) | {"key": key}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(info, indent=2))
-        os.replace(tmp, path)
+        write_json(info, path)
     except OSError:
         pass  # a read-only cache only costs a re-measurement next time
     return candidates[info["best"]][0], info | {"cached": False}

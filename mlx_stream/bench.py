@@ -9,11 +9,16 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 import mlx.core as mx
+
+from .cost import forward_cost
+from .files import atomic_write, write_json
+from .prompts import prompt_ids
+from .workers import run_in_processes
 
 
 @dataclass
@@ -32,153 +37,83 @@ class PromptResult:
         return self.spec_tps / self.plain_tps
 
 
-def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """Prompts from a jsonl file: the ``prompt`` field, or the first of ``turns``
-    (Spec-Bench's format), or the first user message of ``messages``.
+@dataclass
+class Decoding:
+    """How mlx-stream decodes in a bench or an evaluation (what it passes on to
+    :func:`mlx_stream.stream_generate`; picklable, for worker processes).
 
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: a line that is not JSON or has none of those fields (line named).
+    Attributes:
+        max_tokens: tokens per prompt.
+        tree: a tree spec (:func:`mlx_stream.speculation.resolve_tree`).
+        prompt_lookup: as :func:`mlx_stream.stream_generate` (None: its default).
+        sampling: ``temp``, ``top_p``, ``top_k``, ``min_p``; greedy when empty or ``temp == 0``.
     """
-    from .train.data import read_jsonl
 
-    out = []
-    for n, row in enumerate(read_jsonl(path), 1):
-        if "prompt" in row:
-            out.append(row["prompt"])
-        elif row.get("turns"):
-            out.append(row["turns"][0])
-        elif row.get("messages"):
-            out.append(next(m["content"] for m in row["messages"] if m["role"] == "user"))
-        else:
-            raise ValueError(f"{path}: row {n}: expected a 'prompt', 'turns' or 'messages' field")
-    return out[:limit] if limit else out
+    max_tokens: int = 128
+    tree: str | None = None
+    prompt_lookup: int | None = None
+    sampling: dict = field(default_factory=dict)
 
+    @property
+    def greedy(self) -> bool:
+        return not self.sampling.get("temp")
 
-def forward_cost(model, sizes: Sequence[int] = (1, 2, 4, 8, 16), context: int = 256, repeats: int = 10) -> dict:
-    """c(N): the time of an N-token tree forward relative to a 1-token forward, at a
-    cached context of ``context`` tokens.
-
-    The sizes are timed round-robin (each repeat runs every size once, so drift on a
-    shared machine hits all sizes alike), each c(N) is the median of ``repeats``, and
-    the curve is made non-decreasing (a larger forward never costs less; noise can
-    make it look so). Also returns ``t1_ms``, the 1-token forward's median time.
-    """
-    from .cache import make_tree_cache, trim_cache
-    from .tree import chain
-
-    fam, bb = model.family, model.backbone
-    cache = make_tree_cache(bb)
-    fam.prefill_hidden(bb, mx.zeros((context,), dtype=mx.int32), cache)
-    sizes = sorted(sizes)
-    runs: dict[int, list[float]] = {n: [] for n in sizes}
-    for r in range(repeats + 1):
-        for n in sizes:
-            t = chain(n - 1)
-            mask = mx.concatenate([mx.ones((n, context), dtype=mx.bool_), mx.array(t.mask)], axis=1) if n > 1 else None
-            tic = time.perf_counter()
-            mx.eval(fam.project(bb, fam.tree_hidden(bb, mx.zeros((n,), dtype=mx.int32),
-                                                    mx.array(context + t.depths), mask, cache)))
-            if r:  # the first round warms up
-                runs[n].append(time.perf_counter() - tic)
-            trim_cache(cache, context)
-    times, worst = {}, 0.0
-    for n in sizes:
-        worst = max(worst, statistics.median(runs[n]))
-        times[n] = worst
-    return {n: times[n] / times[sizes[0]] for n in sizes} | {"t1_ms": times[sizes[0]] * 1e3}
-
-
-def draft_times(model, trees: Sequence, context: int = 256, repeats: int = 10) -> list[float]:
-    """Median milliseconds for ``model``'s heads to draft each tree of ``trees`` once
-    (a :class:`~mlx_stream.drafters.HeadsDrafter` at a cached context of ``context``
-    tokens, prefilled once for all trees), evaluation included."""
-    from .drafters import HeadsDrafter
-
-    fam, bb = model.family, model.backbone
-    capture = HeadsDrafter(model, trees[0]).capture if trees else None
-    ids = mx.arange(1, context + 1, dtype=mx.int32) % bb.args.vocab_size
-    cache = model.make_cache()
-    out = fam.prefill_hidden(bb, ids, cache, capture=capture)
-    hidden, mid = (out[0][-1], out[1][-1]) if capture is not None else (out[-1], None)
-    tokens = ids.tolist() + [1]
-    result = []
-    for tree in trees:
-        drafter = HeadsDrafter(model, tree)
-        runs = []
-        for _ in range(repeats + 1):
-            tic = time.perf_counter()
-            if mid is None:
-                mx.eval(drafter.draft(hidden, tokens))
-            else:
-                mx.eval(drafter.draft(hidden, tokens, mid=mid, cache=cache))
-            runs.append(time.perf_counter() - tic)
-        result.append(1e3 * statistics.median(runs[1:]))
-    return result
+    def kwargs(self) -> dict:
+        """Keyword arguments of :func:`mlx_stream.stream_generate`."""
+        return {"max_tokens": self.max_tokens, "tree": self.tree, "prompt_lookup": self.prompt_lookup,
+                **self.sampling}
 
 
 def compare(
     model,
     tokenizer,
     prompts: Sequence[str],
-    max_tokens: int = 128,
+    decoding: Decoding,
     make_drafter: Callable | None = None,
-    tree=None,
     progress: Callable[[PromptResult], None] | None = None,
-    sampling: dict | None = None,
     seed: int = 0,
-    prompt_lookup: int | None = None,
 ) -> list[PromptResult]:
     """Decoding of each prompt (through the chat template) by plain
     ``mlx_lm.stream_generate`` and by :func:`mlx_stream.stream_generate`, interleaved.
 
     Args:
-        make_drafter: ``f(prompt_ids, reference_tokens) -> Drafter`` (e.g. the
-            oracle); ``None`` drafts with the model's heads and ``tree``.
-        sampling: ``temp``, ``top_p``, ``top_k``, ``min_p`` (greedy when absent or
-            ``temp == 0``): plain mlx-lm samples with ``make_sampler`` of the same
-            settings, seeded with ``seed + i`` for prompt i, as is mlx-stream.
+        decoding: mlx-stream's settings; plain mlx-lm samples with ``make_sampler`` of
+            the same sampling settings, both seeded with ``seed + i`` for prompt i.
             Identity is checked only when greedy.
-        prompt_lookup: as :func:`mlx_stream.stream_generate` (None: its default).
+        make_drafter: ``f(prompt_ids, reference_tokens) -> Drafter`` (e.g. the
+            oracle); ``None`` drafts with the model's heads and ``decoding.tree``.
     """
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
     from .generate import stream_generate
 
-    sampling = dict(sampling or {})
-    greedy = not sampling.get("temp")
-    sampler = None if greedy else make_sampler(
-        temp=sampling["temp"], top_p=sampling.get("top_p", 1.0), min_p=sampling.get("min_p", 0.0),
-        top_k=sampling.get("top_k", 0))
-
-    from .train.data import prompt_ids
-
-    def chat_ids(p):
-        return prompt_ids(tokenizer, p)
-
+    s = decoding.sampling
+    sampler = None if decoding.greedy else make_sampler(
+        temp=s["temp"], top_p=s.get("top_p", 1.0), min_p=s.get("min_p", 0.0), top_k=s.get("top_k", 0))
     # warm-up: both paths, so one-time costs hit neither measurement
-    warm = chat_ids("Hello")
+    warm = prompt_ids(tokenizer, "Hello")
     for _ in mlx_lm.stream_generate(model, tokenizer, mx.array(warm), max_tokens=8):
         pass
-    for _ in stream_generate(model, tokenizer, warm, max_tokens=8, tree=tree, prompt_lookup=prompt_lookup):
+    for _ in stream_generate(model, tokenizer, warm, **(decoding.kwargs() | {"max_tokens": 8})):
         pass
     results = []
     for i, p in enumerate(prompts):
-        ids = chat_ids(p)
+        ids = prompt_ids(tokenizer, p)
         ref, plain_tps = [], 0.0
         mx.random.seed(seed + i)
-        for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=sampler):
+        for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=decoding.max_tokens,
+                                        sampler=sampler):
             if r.token in tokenizer.eos_token_ids:
                 break
             ref.append(r.token)
             plain_tps = r.generation_tps
         drafter = make_drafter(ids, ref) if make_drafter else None
         got, last = [], None
-        for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, tree=tree, drafter=drafter,
-                                    seed=seed + i, prompt_lookup=prompt_lookup, **sampling):
+        for last in stream_generate(model, tokenizer, ids, drafter=drafter, seed=seed + i, **decoding.kwargs()):
             got.extend(last.tokens)
-        res = PromptResult(i, len(got), plain_tps, last.generation_tps, last.tau, got == ref if greedy else None)
+        res = PromptResult(i, len(got), plain_tps, last.generation_tps, last.tau,
+                           got == ref if decoding.greedy else None)
         results.append(res)
         if progress:
             progress(res)
@@ -208,59 +143,94 @@ def summary(results: Sequence[PromptResult], groups: Sequence[str] | None = None
     return out
 
 
-MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+ORACLE_TREE = "chain:3"  # the oracle's default shape: tau is at most 4
 
 
-def task_group(category: str) -> str:
-    """Spec-Bench's six task groups: the eight MT-bench categories form ``mt-bench``."""
-    return "mt-bench" if category in MT_BENCH else category
+def side_by_side(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    decoding: Decoding,
+    groups: Sequence[str] | None = None,
+    oracle: bool = False,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    progress: Callable[[PromptResult], None] | None = None,
+) -> dict:
+    """``mlx-stream bench``: the cost curve c(N) of this device, then :func:`compare`
+    and its :func:`summary`.
 
+    Args:
+        decoding: mlx-stream's settings; ``tree="auto"`` is resolved first
+            (:func:`mlx_stream.autotree.auto_tree`) and reported with its expected bound.
+        groups: a task-group label per prompt (medians per group).
+        oracle: draft the target's own greedy output (:class:`~mlx_stream.drafters.OracleDrafter`,
+            default tree ``chain:3``): the loop's ceiling; the result then carries
+            ``oracle_ceiling``: tau / c(N), and the loop's overhead against it.
+        log: receives one-line messages (the tree chosen, the cost curve).
+        progress: called with each prompt's result.
 
-def load_spec_bench(path: str | Path, per_group: int | None = None) -> list[dict]:
-    """Spec-Bench questions (``question.jsonl``): ``{"category", "group", "prompt"}``
-    with the first turn as the prompt; ``per_group`` keeps the first N of each task
-    group (file order).
+    Returns:
+        :func:`summary`'s dict plus ``tree``, ``tree_auto``, ``forward_cost`` and, with
+        ``oracle``, ``oracle_ceiling``.
 
     Raises:
-        FileNotFoundError: no such file.
+        ValueError: the oracle with sampling or with ``tree="auto"``, or a bad tree.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: Spec-Bench question.jsonl not found")
-    out, seen = [], {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        group = task_group(row["category"])
-        if per_group is not None and seen.get(group, 0) >= per_group:
-            continue
-        seen[group] = seen.get(group, 0) + 1
-        out.append({"category": row["category"], "group": group, "prompt": row["turns"][0]})
-    return out
+    from .autotree import auto_tree
+    from .drafters import OracleDrafter
+    from .speculation import is_auto, resolve_tree
+
+    make, shape, chosen = None, None, None
+    if oracle:
+        if not decoding.greedy:
+            raise ValueError("the oracle drafts the greedy output: use it with temp 0")
+        if is_auto(decoding.tree):
+            raise ValueError("tree 'auto' chooses among the heads' trees; give the oracle a tree shape")
+        shape = resolve_tree(model, decoding.tree or ORACLE_TREE)
+        vocab = model.args.vocab_size
+        make = lambda ids, ref: OracleDrafter(len(ids), ref, shape, vocab)  # noqa: E731
+    elif is_auto(decoding.tree):
+        _, info = auto_tree(model)
+        chosen = info["sizes"][info["best"]] | {"cached": info["cached"]}
+        decoding = replace(decoding, tree=chosen["tree"])
+        log(f"tree auto: {chosen['tree']} ({chosen['nodes']} drafted nodes): expected tau {chosen['tau']:.2f}, "
+            f"cost {chosen['cost']:.2f}, speedup bound x{chosen['speedup_bound']:.2f}"
+            f"{' (cached choice)' if info['cached'] else ''}")
+    cost = forward_cost(model, sizes=tuple(sorted({1, 2, 4, 8, 16} | ({shape.size} if shape else set()))))
+    log("c(N) = " + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items() if n != "t1_ms")
+        + f"  (1-token forward {cost['t1_ms']:.1f} ms)")
+    res = summary(compare(model, tokenizer, prompts, decoding, make_drafter=make, progress=progress, seed=seed),
+                  groups)
+    res |= {"tree": decoding.tree, "tree_auto": chosen, "forward_cost": {str(k): v for k, v in cost.items()}}
+    if oracle:
+        # every rank-0 draft is accepted: tau / c(N) is what a loop without overhead would reach
+        ceiling = res["median_tau"] / cost[shape.size]
+        res["oracle_ceiling"] = {"tree_nodes": shape.size, "c": cost[shape.size], "ceiling": ceiling,
+                                 "loop_overhead": 1 - res["median_speedup"] / ceiling}
+    return res
 
 
-def decode_items(model, tokenizer, items: Sequence[dict], max_tokens: int = 128, tree=None,
-                 progress: Callable[[dict], None] | None = None, prompt_lookup: int | None = None) -> list[dict]:
+def decode_items(model, tokenizer, items: Sequence[dict], decoding: Decoding,
+                 progress: Callable[[dict], None] | None = None) -> list[dict]:
     """Greedy generation over ``items`` (``{"prompt", "group", "category"}``, through the
     chat template), drafting at every step (adaptive speculation off: tau measures the
     drafts, not the policy). Returns one row per item: the item's labels plus ``tokens``
     (made after the first), ``forward_passes`` (decoding passes) and ``skipped`` (True
     when the prompt and ``max_tokens`` do not fit in the context window)."""
     from .generate import stream_generate
-    from .train.data import prompt_ids
 
     ctx = model.context_length
+    kwargs = decoding.kwargs() | {"temp": 0.0}
     rows = []
     for it in items:
         ids = prompt_ids(tokenizer, it["prompt"])
         row = {"group": it["group"], "category": it["category"], "tokens": 0.0, "forward_passes": 0, "skipped": False}
-        if ctx is not None and len(ids) + max_tokens > ctx:
+        if ctx is not None and len(ids) + decoding.max_tokens > ctx:
             row["skipped"] = True
         else:
             last = None
-            for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, tree=tree, adaptive=False,
-                                        prompt_lookup=prompt_lookup):
+            for last in stream_generate(model, tokenizer, ids, adaptive=False, **kwargs):
                 pass
             row["tokens"], row["forward_passes"] = last.tau * last.forward_passes, last.forward_passes
         rows.append(row)
@@ -287,8 +257,8 @@ def pool_tau(rows: Sequence[dict]) -> dict:
     return res
 
 
-def tau_by_category(model, tokenizer, items: Sequence[dict], max_tokens: int = 128, tree=None,
-                    progress: Callable[[int, dict], None] | None = None, prompt_lookup: int | None = None) -> dict:
+def tau_by_category(model, tokenizer, items: Sequence[dict], decoding: Decoding,
+                    progress: Callable[[int, dict], None] | None = None) -> dict:
     """Greedy generation over ``items``; tau overall, per task group and per category
     (:func:`decode_items` then :func:`pool_tau`)."""
     done: list[dict] = []
@@ -298,20 +268,18 @@ def tau_by_category(model, tokenizer, items: Sequence[dict], max_tokens: int = 1
         if progress:
             progress(len(done), pool_tau(done)["all"] if any(not r["skipped"] for r in done) else {"tau": 0.0})
 
-    return pool_tau(decode_items(model, tokenizer, items, max_tokens, tree, step, prompt_lookup))
+    return pool_tau(decode_items(model, tokenizer, items, decoding, step))
 
 
-def _decode_worker(model_spec: str, heads, dtype: str, items, max_tokens: int, tree, path: str,
-                   prompt_lookup: int | None) -> None:
+def _decode_worker(model_spec: str, heads, dtype: str, items, decoding: Decoding, path: str) -> None:
     from .loader import load
 
     model, tokenizer = load(model_spec, heads=heads, dtype=dtype)
-    rows = decode_items(model, tokenizer, items, max_tokens, tree, prompt_lookup=prompt_lookup)
-    Path(path).write_text(json.dumps(rows))
+    write_json(decode_items(model, tokenizer, items, decoding), path)
 
 
-def decode_items_in_processes(model_spec: str, heads, dtype: str, items: Sequence[dict], max_tokens: int,
-                              tree, workers: int, prompt_lookup: int | None = None) -> list[dict]:
+def decode_items_in_processes(model_spec: str, heads, dtype: str, items: Sequence[dict], decoding: Decoding,
+                              workers: int) -> list[dict]:
     """:func:`decode_items` split over ``workers`` spawned processes (item i goes to
     worker i mod workers; each loads the model itself), rows back in item order. On a
     2-core CPU two single-threaded processes nearly double the throughput.
@@ -319,22 +287,12 @@ def decode_items_in_processes(model_spec: str, heads, dtype: str, items: Sequenc
     Raises:
         RuntimeError: a worker failed.
     """
-    import multiprocessing as mp
     import tempfile
 
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         paths = [f"{tmp}/{w}.json" for w in range(workers)]
-        procs = [ctx.Process(target=_decode_worker, daemon=True,
-                             args=(model_spec, heads, dtype, list(items[w::workers]), max_tokens, tree, paths[w],
-                                   prompt_lookup))
-                 for w in range(workers)]
-        for pr in procs:
-            pr.start()
-        for pr in procs:
-            pr.join()
-        if any(pr.exitcode != 0 for pr in procs):
-            raise RuntimeError("a decoding worker failed (its error is printed above)")
+        run_in_processes(_decode_worker, [(model_spec, heads, dtype, list(items[w::workers]), decoding, paths[w])
+                                          for w in range(workers)])
         parts = [json.loads(Path(p).read_text()) for p in paths]
     return [parts[i % workers][i // workers] for i in range(len(items))]
 
@@ -347,7 +305,7 @@ def environment(dtype: str | None = None) -> dict:
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
-    from .env import openblas_loaded
+    from .env import openblas_active
 
     def ver(name):
         try:
@@ -357,7 +315,7 @@ def environment(dtype: str | None = None) -> dict:
 
     if platform.system() == "Darwin":
         blas = "Accelerate"
-    elif openblas_loaded():
+    elif openblas_active():
         blas = f"OpenBLAS (OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')})"
     else:
         blas = "reference BLAS (slow: see the README's CPU fast path)"
@@ -367,18 +325,6 @@ def environment(dtype: str | None = None) -> dict:
         "blas": blas, "dtype": dtype,
         "versions": {n: ver(n) for n in ("mlx", "mlx-lm", "mlx-stream", "numpy")},
     }
-
-
-def write_json(obj, path: str | Path) -> Path:
-    """Write ``obj`` as indented JSON to ``path`` through a temporary file and a rename,
-    so a reader never sees half a file."""
-    import os
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-    return path
 
 
 def write_report(res: dict, out: str | Path) -> list[Path]:
@@ -397,11 +343,7 @@ def write_report(res: dict, out: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
 
     def put(name: str, write) -> Path:
-        path = out / name
-        tmp = out / f".{name}.tmp"
-        write(tmp)
-        os.replace(tmp, path)
-        return path
+        return atomic_write(out / name, write)
 
     env = res.get("environment", {})
     ident = "n/a (sampled)" if res.get("identical") is None else f"{res['identical']}/{res['prompts']}"

@@ -1,16 +1,26 @@
-"""The ``mlx-stream`` command line (typer). Installed as ``mlx_stream.cli``.
+"""The ``mlx-stream`` command line (typer). Installed as ``mlx_stream.cli``; the
+top-level ``cli.py`` of a checkout runs it.
 
-Each command is a few lines over one library function; MLX is imported inside the
-command bodies so ``mlx-stream --help`` is instant.
+Each command parses its options, calls one library function and prints; MLX is
+imported inside the command bodies so ``mlx-stream --help`` is instant. On Linux the
+console command re-executes itself once with OpenBLAS preloaded where that library is
+installed (:func:`mlx_stream.env.reexec_with_openblas`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
+import typing
+from dataclasses import dataclass
 from typing import Optional
 
 import typer
+
+from mlx_stream.defaults import AUTO_TREE, CHAT_MAX_TOKENS, DEFAULT_HEADS, DEFAULT_MODEL, NO_HEADS, PROMPT_LOOKUP
+from mlx_stream.train.config import TrainConfig
 
 app = typer.Typer(
     help="Speculative Streaming on MLX: faster decoding with the same output, no draft model.",
@@ -19,99 +29,132 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 _MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, mlx-lm folder, .gguf file or Hugging Face repo id.")
 _HEADS = typer.Option(
-    "auto", "--heads",
-    help="Heads folder; 'auto' = the heads shipped for the model if any, else plain decoding.",
+    DEFAULT_HEADS, "--heads",
+    help=f"Heads folder; '{DEFAULT_HEADS}' = the heads shipped for the model if any, '{NO_HEADS}' = plain decoding.",
 )
-_NO_HEADS = typer.Option(False, "--no-heads", help="Decode plainly (one token per forward pass).")
 _TREE = typer.Option(
     None, "--tree",
-    help="Draft tree: 'auto' (the heads' candidate that is fastest on this device, measured once), 'sparse', "
-         "'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'. Default: the tree stored with the heads.",
+    help=f"Draft tree: '{AUTO_TREE}' (the heads' candidate that is fastest on this device, measured once), "
+         "'sparse', 'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'. Default: the tree stored "
+         "with the heads.",
 )
 _LOOKUP = typer.Option(
     None, "--prompt-lookup",
     help="Most tokens drafted per step by prompt lookup (copying what followed the context's longest "
-         "repeated suffix, 2 to 6 tokens) on top of the heads' tree; 0 turns it off. Default: 10 with heads, 0 without.",
+         f"repeated suffix, 2 to 6 tokens) on top of the heads' tree; 0 turns it off. Default: {PROMPT_LOOKUP} "
+         "with heads, 0 without.",
 )
 _TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
-_SEED = typer.Option(None, "--seed", help="Seed for sampling: same seed and settings, same output.")
 _TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]; 1 disables it.")
 _TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 disables it.")
 _MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top token's probability; 0 disables it.")
-_REP = typer.Option(None, "--repetition-penalty", help="mlx-lm's repetition penalty (> 0; 1 = none) over the last 20 tokens.")
 _DTYPE = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16 | quantized")
+_PER_GROUP = ("--per-group", "--per-category")
 
 
-def _fail(msg: str) -> None:
+@dataclass
+class DecodeOptions:
+    """The options ``generate`` and ``chat`` share (one definition: :data:`_DECODE_OPTIONS`)."""
+
+    model: str
+    heads: str
+    no_heads: bool
+    dtype: str
+    temp: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: Optional[float]
+    seed: Optional[int]
+    tree: Optional[str]
+    prompt_lookup: Optional[int]
+    system: Optional[str]
+
+    def generation(self, max_tokens: int) -> dict:
+        """Keyword arguments of :func:`mlx_stream.stream_generate`, checked before anything
+        is loaded (exit 2 with one line on a bad value)."""
+        from mlx_stream.generate import check_generation
+        from mlx_stream.sampling import SamplingParams, make_processors
+
+        try:
+            check_generation(max_tokens, SamplingParams(self.temp, self.top_p, self.top_k, self.min_p),
+                             tree=self.tree, prompt_lookup=self.prompt_lookup)
+            processors = make_processors(self.repetition_penalty)
+        except ValueError as e:
+            _fail(str(e))
+        return {"max_tokens": max_tokens, "temp": self.temp, "top_p": self.top_p, "top_k": self.top_k,
+                "min_p": self.min_p, "seed": self.seed, "tree": self.tree, "prompt_lookup": self.prompt_lookup,
+                "logits_processors": processors}
+
+    def load(self):
+        """``(model, tokenizer)``; exit 2 with one line when they cannot be loaded."""
+        return _load(self.model, NO_HEADS if self.no_heads else self.heads, self.dtype)
+
+
+def _option(name: str, annotation, default) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+_DECODE_OPTIONS = [
+    _option("model", str, _MODEL),
+    _option("heads", str, _HEADS),
+    _option("no_heads", bool, typer.Option(False, "--no-heads", help="Decode plainly (one token per forward pass).")),
+    _option("temp", float, _TEMP),
+    _option("top_p", float, _TOP_P),
+    _option("top_k", int, _TOP_K),
+    _option("min_p", float, _MIN_P),
+    _option("repetition_penalty", Optional[float], typer.Option(
+        None, "--repetition-penalty", help="mlx-lm's repetition penalty (> 0; 1 = none) over the last 20 tokens.")),
+    _option("seed", Optional[int], typer.Option(
+        None, "--seed", help="Seed for sampling: same seed and settings, same output.")),
+    _option("tree", Optional[str], _TREE),
+    _option("prompt_lookup", Optional[int], _LOOKUP),
+    _option("system", Optional[str], typer.Option(None, "--system", help="System prompt for the chat template.")),
+    _option("dtype", str, _DTYPE),
+]
+
+
+def _decode_options(command):
+    """Give ``command(opts: DecodeOptions, **own)`` the shared decoding options as its own
+    command-line options (typer reads the signature set here)."""
+    hints = typing.get_type_hints(command)  # this module's annotations are strings (__future__)
+    own = [p.replace(annotation=hints[p.name]) for p in inspect.signature(command).parameters.values()
+           if p.name != "opts"]
+    names = [p.name for p in _DECODE_OPTIONS]
+
+    @functools.wraps(command)
+    def with_options(**kwargs):
+        return command(DecodeOptions(**{n: kwargs.pop(n) for n in names}), **kwargs)
+
+    with_options.__signature__ = inspect.Signature(own + _DECODE_OPTIONS)
+    with_options.__annotations__ = {}  # typer takes the types from the signature
+    del with_options.__wrapped__  # (else typer would read the undecorated signature)
+    return with_options
+
+
+def _fail(msg: str):
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(2)
 
 
-def _check_params(max_tokens: int, temp: float, tree: str | None, top_p: float = 1.0, top_k: int = 0,
-                  min_p: float = 0.0, repetition_penalty: float | None = None,
-                  prompt_lookup: int | None = None) -> dict:
-    """Refuse bad parameters before anything is loaded; return the sampling keyword
-    arguments of :func:`mlx_stream.stream_generate`."""
-    import math
-
-    from mlx_lm.sample_utils import make_logits_processors
-
-    from mlx_stream.generate import check_generation
-    from mlx_stream.sampling import SamplingParams
-    from mlx_stream.tree import parse_tree
+def _load(model: str, heads: str, dtype: str):
+    from mlx_stream.loader import load
 
     try:
-        check_generation(max_tokens, SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p))
-        if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-            raise ValueError(f"--repetition-penalty must be a number > 0 (1 = none), got {repetition_penalty}")
-        if prompt_lookup is not None and prompt_lookup < 0:
-            raise ValueError(f"--prompt-lookup must be >= 0 (0: off), got {prompt_lookup}")
-        if tree is not None and tree.strip() != "auto":
-            parse_tree(tree, 1 << 10)  # syntax only; the depth is checked against the heads later
-    except ValueError as e:
+        return load(model, heads=heads, dtype=dtype)
+    except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    return {"temp": temp, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-            "logits_processors": make_logits_processors(repetition_penalty=repetition_penalty)}
-
-
-def _load(model: str, heads: str, no_heads: bool, dtype: str):
-    from mlx_stream.loader import default_heads_path, load
-
-    if no_heads or heads == "none":
-        spec = None
-    elif heads == "auto":
-        spec = default_heads_path(model)
-    else:
-        spec = heads
-    return load(model, heads=spec, dtype=dtype)
 
 
 def _check_out(path: str, folder: bool) -> None:
-    """Refuse an output path that cannot be written, before any work is done: the folder
-    (``folder=True``) or the file's folder must exist or be creatable in a folder that
-    accepts a file. Nothing is left behind."""
-    import os
-    import tempfile
-    from pathlib import Path
+    from mlx_stream.files import check_writable
 
-    p = Path(path)
-    where = p if folder else p.parent
     try:
-        if p.exists() and p.is_dir() != folder:
-            raise NotADirectoryError(f"{p} is {'a file' if folder else 'a folder'}")
-        up = where  # nothing is created here: the nearest existing folder must take a file
-        while not up.exists() and up != up.parent:
-            up = up.parent
-        if not up.is_dir():
-            raise NotADirectoryError(f"{up} is a file")
-        fd, probe = tempfile.mkstemp(dir=up, prefix=".write-check-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        _fail(f"cannot write {'into ' if folder else ''}{p}: {e.strerror or e}; choose another --out")
+        check_writable(path, folder)
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _blas_hint() -> None:
@@ -122,132 +165,75 @@ def _blas_hint() -> None:
         typer.echo(hint, err=True)
 
 
+def _stats(r) -> str:
+    return f"[{r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s, tau {r.tau:.2f}, {r.finish_reason}]"
+
+
 @app.command()
+@_decode_options
 def generate(
+    opts: DecodeOptions,
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt ('-' reads stdin)."),
-    model: str = _MODEL,
-    heads: str = _HEADS,
-    no_heads: bool = _NO_HEADS,
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (> 0)."),
-    temp: float = _TEMP,
-    top_p: float = _TOP_P,
-    top_k: int = _TOP_K,
-    min_p: float = _MIN_P,
-    repetition_penalty: Optional[float] = _REP,
-    seed: Optional[int] = _SEED,
-    tree: Optional[str] = _TREE,
-    prompt_lookup: Optional[int] = _LOOKUP,
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt for the chat template."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
-    dtype: str = _DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     logprobs: bool = typer.Option(False, "--logprobs", help="With --json: each token's log-probability (as mlx-lm reports it)."),
 ):
     """Generate a completion for one prompt."""
     from mlx_stream.generate import stream_generate
 
-    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, repetition_penalty, prompt_lookup)
+    settings = opts.generation(max_tokens)
     if prompt == "-":
         prompt = sys.stdin.read()
     _blas_hint()
+    m, tok = opts.load()
+    text = prompt
+    if not raw and tok.chat_template is not None:
+        msgs = ([{"role": "system", "content": opts.system}] if opts.system else []) + [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    pieces, tokens, lps, last = [], [], [], None
     try:
-        m, tok = _load(model, heads, no_heads, dtype)
-        text = prompt
-        if not raw and tok.chat_template is not None:
-            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        ids = tok.encode(text, add_special_tokens=tok.bos_token is None or not text.startswith(tok.bos_token))
-        pieces, tokens, lps, last = [], [], [], None
-        for last in stream_generate(m, tok, ids, max_tokens=max_tokens, tree=tree, stop=stop, seed=seed,
-                                    prompt_lookup=prompt_lookup, **sampling):
+        for last in stream_generate(m, tok, text, stop=stop, **settings):
             pieces.append(last.text)
             tokens.extend(last.tokens)
             lps.extend(last.logprobs)
             if not as_json:
                 typer.echo(last.text, nl=False)
-    except (ValueError, FileNotFoundError) as e:
+    except ValueError as e:
         _fail(str(e))
-    if as_json:
-        typer.echo(json.dumps({
-            "text": "".join(pieces), "tokens": tokens, "finish_reason": last.finish_reason,
-            "prompt_tokens": last.prompt_tokens, "generation_tokens": last.generation_tokens,
-            "forward_passes": last.forward_passes, "tau": round(last.tau, 4),
-            "prompt_tps": round(last.prompt_tps, 2), "generation_tps": round(last.generation_tps, 2),
-            "peak_memory_gb": round(last.peak_memory, 4), "heads": m.heads is not None,
-        } | ({"logprobs": lps} if logprobs else {})))
-    else:
-        typer.echo(
-            f"\n[{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, tau {last.tau:.2f}, "
-            f"{last.finish_reason}]",
-            err=True,
-        )
+    if not as_json:
+        typer.echo("\n" + _stats(last), err=True)
+        return
+    typer.echo(json.dumps({
+        "text": "".join(pieces), "tokens": tokens, "finish_reason": last.finish_reason,
+        "prompt_tokens": last.prompt_tokens, "generation_tokens": last.generation_tokens,
+        "forward_passes": last.forward_passes, "tau": round(last.tau, 4),
+        "prompt_tps": round(last.prompt_tps, 2), "generation_tps": round(last.generation_tps, 2),
+        "peak_memory_gb": round(last.peak_memory, 4), "heads": m.heads is not None,
+    } | ({"logprobs": lps} if logprobs else {})))
 
 
 @app.command()
+@_decode_options
 def chat(
-    model: str = _MODEL,
-    heads: str = _HEADS,
-    no_heads: bool = _NO_HEADS,
-    max_tokens: int = typer.Option(1024, "--max-tokens", help="Most tokens per reply."),
-    temp: float = _TEMP,
-    top_p: float = _TOP_P,
-    top_k: int = _TOP_K,
-    min_p: float = _MIN_P,
-    repetition_penalty: Optional[float] = _REP,
-    seed: Optional[int] = _SEED,
-    tree: Optional[str] = _TREE,
-    prompt_lookup: Optional[int] = _LOOKUP,
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    dtype: str = _DTYPE,
+    opts: DecodeOptions,
+    max_tokens: int = typer.Option(CHAT_MAX_TOKENS, "--max-tokens", help="Most tokens per reply."),
 ):
-    """Multi-turn chat; the KV cache is reused across turns. /reset clears, /exit quits."""
+    """Multi-turn chat; the KV cache is reused across turns. /help lists the commands."""
     from mlx_stream.chat import ChatSession
+    from mlx_stream.repl import run_chat
 
-    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, repetition_penalty, prompt_lookup)
+    settings = opts.generation(max_tokens)
     _blas_hint()
+    m, tok = opts.load()
     try:
-        m, tok = _load(model, heads, no_heads, dtype)
-    except (ValueError, FileNotFoundError) as e:
-        _fail(str(e))
-    if tok.chat_template is None:
-        _fail(f"{model} has no chat template; use `mlx-stream generate --raw`")
+        session = ChatSession(m, tok, system=opts.system, **settings)
+    except ValueError as e:
+        _fail(f"{opts.model}: {e} (`mlx-stream generate --raw`)")
     if hasattr(sys.stdin, "reconfigure"):
-        sys.stdin.reconfigure(errors="replace")
-    session = ChatSession(m, tok, system=system, max_tokens=max_tokens, tree=tree, seed=seed,
-                          prompt_lookup=prompt_lookup, **sampling)
-    mode = "stream heads" if m.heads is not None else "plain decoding"
-    typer.echo(f"mlx-stream chat: {model} ({mode}). /reset clears the conversation, /exit quits, Ctrl-C stops a reply.")
-    while True:
-        try:
-            line = input(">> ")
-        except (EOFError, KeyboardInterrupt):
-            typer.echo()
-            return
-        line = "".join(ch for ch in line if ch.isprintable() or ch in "\t\n")
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            session.reset()
-            typer.echo("[conversation cleared]")
-            continue
-        if not line.strip():
-            continue
-        last = None
-        try:
-            for last in session.send(line):
-                typer.echo(last.text, nl=False)
-        except KeyboardInterrupt:
-            typer.echo("\n[stopped]")
-        except ValueError as e:
-            typer.echo(f"\nerror: {e}", err=True)
-            continue
-        if last is not None:
-            typer.echo(
-                f"\n[{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, tau {last.tau:.2f}, "
-                f"prompt {last.prompt_tokens} tokens]",
-                err=True,
-            )
+        sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 typed or piped in is not fatal
+    run_chat(session, model_name=opts.model)
 
 
 @app.command()
@@ -269,13 +255,13 @@ def convert(
     try:
         if src.endswith(".gguf"):
             if quantize or dtype:
-                _fail("--quantize and --dtype apply to Hugging Face checkpoints; a GGUF keeps its own types "
-                      "(--dequantize gives float32)")
+                raise ValueError("--quantize and --dtype apply to Hugging Face checkpoints; a GGUF keeps its own "
+                                 "types (--dequantize gives float32)")
             path = convert_gguf(src, out, dequantize=dequantize)
         elif Path(src).is_dir():
             path = convert_hf(src, out, dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size)
         else:
-            _fail(f"{src}: expected a Hugging Face checkpoint folder or a .gguf file")
+            raise ValueError(f"{src}: expected a Hugging Face checkpoint folder or a .gguf file")
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     typer.echo(f"wrote {path}")
@@ -286,9 +272,9 @@ def bench(
     model: str = _MODEL,
     heads: str = _HEADS,
     drafter: str = typer.Option("heads", "--drafter", help="heads | oracle (drafts the target's own output: the loop's ceiling)"),
-    prompts: str = typer.Option("builtin", "--prompts", help="A jsonl file ('prompt', Spec-Bench 'turns' or 'messages'), 'builtin', or 'spec-bench' (../shared/data/spec_bench/question.jsonl, --per-group from each task group)."),
+    prompts: str = typer.Option("builtin", "--prompts", help="A jsonl file ('prompt', Spec-Bench 'turns' or 'messages'), 'builtin', or 'spec-bench' (the Spec-Bench copy shipped with the package, --per-group from each task group)."),
     limit: int = typer.Option(8, "--limit", "-n", help="How many prompts."),
-    per_group: int = typer.Option(8, "--per-group", "--per-category", help="With --prompts spec-bench: the first N questions of each of the 6 task groups (categories)."),
+    per_group: int = typer.Option(8, *_PER_GROUP, help="With --prompts spec-bench: the first N questions of each of the 6 task groups (categories)."),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     tree: Optional[str] = _TREE,
     prompt_lookup: Optional[int] = _LOOKUP,
@@ -302,66 +288,29 @@ def bench(
 ):
     """Side-by-side against plain mlx-lm (same weights, one process, interleaved);
     greedy by default (identity checked), or sampled with the same settings."""
-    from pathlib import Path
-
-    from mlx_stream import OracleDrafter
-    from mlx_stream.bench import compare, environment, forward_cost, load_prompts, load_spec_bench, summary, write_report
-    from mlx_stream.env import openblas_loaded
-    from mlx_stream.tree import parse_tree
-
-    if drafter not in ("heads", "oracle"):
-        _fail(f"unknown drafter {drafter!r}: use heads or oracle")
-    sampling = _check_params(max_tokens, temp, tree, top_p, top_k, min_p, prompt_lookup=prompt_lookup)
-    sampling.pop("logits_processors")
-    if out:
-        _check_out(out, folder=True)
-    if drafter == "oracle" and temp > 0:
-        _fail("--drafter oracle drafts the greedy output: use it with --temp 0")
-    try:
-        auto = tree is not None and tree.strip() == "auto"
-        if auto and drafter == "oracle":
-            raise ValueError("--tree auto chooses among the heads' trees; give the oracle a tree shape")
-        check = parse_tree(tree, 1 << 10) if tree is not None and not auto else None
-        groups = None
-        if prompts == "spec-bench":
-            items = load_spec_bench(Path("../shared/data/spec_bench/question.jsonl"), per_group)
-            texts, groups = [it["prompt"] for it in items], [it["group"] for it in items]
-        else:
-            path = Path(__file__).parent / "data" / "prompts.jsonl" if prompts == "builtin" else Path(prompts)
-            texts = load_prompts(path, limit)
-    except (ValueError, FileNotFoundError) as e:
-        _fail(str(e))
-    _blas_hint()
-    try:
-        m, tok = _load(model, heads, drafter == "oracle", dtype)
-    except (ValueError, FileNotFoundError) as e:
-        _fail(str(e))
-    make = None
-    if drafter == "oracle":
-        shape = check if check is not None else parse_tree("chain:3", 3)
-        make = lambda ids, ref: OracleDrafter(len(ids), ref, shape, m.args.vocab_size)  # noqa: E731
-    elif m.heads is None:
-        typer.echo("note: no heads loaded; this measures plain decoding through the loop", err=True)
-    chosen = None
-    if auto:
-        from mlx_stream.autotree import auto_tree
-
-        try:
-            _, info = auto_tree(m)
-        except ValueError as e:
-            _fail(str(e))
-        chosen = info["sizes"][info["best"]] | {"cached": info["cached"]}
-        tree = chosen["tree"]
-        typer.echo(f"tree auto: {tree} ({chosen['nodes']} drafted nodes): expected tau {chosen['tau']:.2f}, "
-                   f"cost {chosen['cost']:.2f}, speedup bound x{chosen['speedup_bound']:.2f}"
-                   f"{' (cached choice)' if info['cached'] else ''}")
-    sizes = {1, 2, 4, 8, 16} | ({shape.size} if drafter == "oracle" else set())
-    cost = forward_cost(m, sizes=tuple(sorted(sizes)))
-    typer.echo("c(N) = " + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items() if n != "t1_ms")
-               + f"  (1-token forward {cost['t1_ms']:.1f} ms)")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from mlx_stream.bench import Decoding, environment, side_by_side, write_report
+    from mlx_stream.generate import check_generation
+    from mlx_stream.prompts import select_prompts
+    from mlx_stream.sampling import SamplingParams
+
+    sampling = {"temp": temp, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    try:
+        if drafter not in ("heads", "oracle"):
+            raise ValueError(f"unknown drafter {drafter!r}: use heads or oracle")
+        check_generation(max_tokens, SamplingParams(**sampling), tree=tree, prompt_lookup=prompt_lookup)
+        texts, groups = select_prompts(prompts, limit, per_group)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    if out:
+        _check_out(out, folder=True)
+    _blas_hint()
+    oracle = drafter == "oracle"
+    m, tok = _load(model, NO_HEADS if oracle else heads, dtype)
+    if not oracle and m.heads is None:
+        typer.echo("note: no heads loaded; this measures plain decoding through the loop", err=True)
     with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("bench", total=len(texts))
@@ -374,31 +323,34 @@ def bench(
                 highlight=False)
             bar.advance(task)
 
-        res = summary(compare(m, tok, texts, max_tokens, make_drafter=make, tree=tree, progress=show,
-                              sampling=sampling, seed=seed, prompt_lookup=prompt_lookup), groups)
-    res.update({"model": model, "heads": heads if m.heads is not None else None, "drafter": drafter,
-                "tree": tree, "tree_auto": chosen, "prompt_lookup": prompt_lookup, "dtype": dtype, "max_tokens": max_tokens, "sampling": sampling, "seed": seed,
-                "command": "mlx-stream " + " ".join(sys.argv[1:]), "environment": environment(dtype),
-                "openblas": openblas_loaded(), "forward_cost": {str(k): v for k, v in cost.items()}})
+        try:
+            res = side_by_side(m, tok, texts, Decoding(max_tokens, tree, prompt_lookup, sampling), groups,
+                               oracle=oracle, seed=seed, log=bar.console.print, progress=show)
+        except ValueError as e:
+            _fail(str(e))
+    res |= {"model": model, "heads": heads if m.heads is not None else None, "drafter": drafter,
+            "prompt_lookup": prompt_lookup, "dtype": dtype, "max_tokens": max_tokens, "sampling": sampling,
+            "seed": seed, "command": "mlx-stream " + " ".join(sys.argv[1:]), "environment": environment(dtype)}
+    ident = res["identical"] if res["identical"] is not None else "n/a"
     typer.echo(f"median speedup x{res['median_speedup']:.2f}, median tau {res['median_tau']:.2f}, "
-               f"identical {res['identical'] if res['identical'] is not None else 'n/a'}/{res['prompts']}, plain {res['median_plain_tps']:.1f} tok/s, "
+               f"identical {ident}/{res['prompts']}, plain {res['median_plain_tps']:.1f} tok/s, "
                f"mlx-stream {res['median_spec_tps']:.1f} tok/s")
     for g, v in res.get("per_group", {}).items():
         typer.echo(f"  {g:16s} speedup x{v['median_speedup']:.2f}  tau {v['median_tau']:.2f}  ({v['prompts']} prompts)")
-    if drafter == "oracle":
-        # every rank-0 draft is accepted: tau / c(N) is what a loop without overhead would reach
-        ceiling = res["median_tau"] / cost[shape.size]
-        res["oracle_ceiling"] = {"tree_nodes": shape.size, "c": cost[shape.size], "ceiling": ceiling,
-                                 "loop_overhead": 1 - res["median_speedup"] / ceiling}
-        typer.echo(f"oracle ceiling tau / c({shape.size}) = {res['median_tau']:.2f} / {cost[shape.size]:.2f} = "
-                   f"x{ceiling:.2f}; measured x{res['median_speedup']:.2f}: loop overhead "
-                   f"{100 * res['oracle_ceiling']['loop_overhead']:.0f}% (prefill included)")
+    if "oracle_ceiling" in res:
+        oc = res["oracle_ceiling"]
+        typer.echo(f"oracle ceiling tau / c({oc['tree_nodes']}) = {res['median_tau']:.2f} / {oc['c']:.2f} = "
+                   f"x{oc['ceiling']:.2f}; measured x{res['median_speedup']:.2f}: loop overhead "
+                   f"{100 * oc['loop_overhead']:.0f}% (prefill included)")
     if out:
         try:
             paths = write_report(res, out)
         except OSError as e:
             _fail(f"cannot write the report into {out}: {e}")
         typer.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+_TC = TrainConfig()  # the training defaults (TrainConfig validates what the options give it)
 
 
 @app.command()
@@ -411,53 +363,39 @@ def train(
     max_tokens: int = typer.Option(256, "--max-tokens", help="Completion length for self-distillation."),
     workers: int = typer.Option(1, "--workers", help="Self-distillation processes (2 suits a 2-core CPU)."),
     gen_batch_size: int = typer.Option(32, "--gen-batch-size", help="Sequences generated together per process."),
-    num_heads: int = typer.Option(3, "--num-heads", "-k", help="Stream heads K."),
+    num_heads: int = typer.Option(_TC.num_heads, "--num-heads", "-k", help="Stream heads K."),
     architecture: str = typer.Option("hydra", "--architecture", help="Head architecture: hydra or residual."),
-    num_layers: int = typer.Option(1, "--num-layers", help="Blocks per head."),
+    num_layers: int = typer.Option(_TC.num_layers, "--num-layers", help="Blocks per head."),
     draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Tokens the heads score (most frequent); 0 = all."),
-    epochs: float = typer.Option(3.0, "--epochs"),
-    batch_size: int = typer.Option(256, "--batch-size", help="Positions (tokens) per micro-batch."),
-    grad_accum: int = typer.Option(1, "--grad-accum"),
-    lr: float = typer.Option(1e-3, "--lr"),
-    kl_weight: float = typer.Option(0.0, "--kl-weight", help="Weight of the KL to the backbone's distribution (soft targets)."),
-    head_decay: float = typer.Option(0.8, "--head-decay", help="Loss weight of head j is head_decay**(j-1)."),
-    warmup: int = typer.Option(50, "--warmup", help="Warm-up optimizer steps."),
-    checkpoint_every: int = typer.Option(200, "--checkpoint-every"),
-    seed: int = typer.Option(0, "--seed"),
+    epochs: float = typer.Option(_TC.epochs, "--epochs"),
+    batch_size: int = typer.Option(_TC.batch_size, "--batch-size", help="Positions (tokens) per micro-batch."),
+    grad_accum: int = typer.Option(_TC.grad_accum, "--grad-accum"),
+    lr: float = typer.Option(_TC.lr, "--lr"),
+    kl_weight: float = typer.Option(_TC.kl_weight, "--kl-weight", help="Weight of the KL to the backbone's distribution (soft targets)."),
+    head_decay: float = typer.Option(_TC.head_decay, "--head-decay", help="Loss weight of head j is head_decay**(j-1)."),
+    warmup: int = typer.Option(_TC.warmup, "--warmup", help="Warm-up optimizer steps."),
+    checkpoint_every: int = typer.Option(_TC.checkpoint_every, "--checkpoint-every"),
+    seed: int = typer.Option(_TC.seed, "--seed"),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out where it stopped."),
     tune: bool = typer.Option(True, "--tune/--no-tune", help="Store the draft tree that is fastest on this machine with the heads."),
 ):
     """Train stream heads against the frozen backbone."""
-    from mlx_stream.train.pipeline import run
-    from mlx_stream.train.trainer import TrainConfig
+    from mlx_stream.train.pipeline import check_run_settings, run
 
-    if draft_vocab < 0:
-        _fail(f"--draft-vocab must be >= 0, got {draft_vocab}")
-    from mlx_stream.heads import ARCHITECTURES
-
-    if architecture == "msa":
-        _fail("msa heads train on whole sequences and are not trained by `mlx-stream train`; they are "
-              "compared in benchmarks/compare_heads.py (README: hydra heads are better with a frozen backbone)")
-    if architecture not in ARCHITECTURES:
-        _fail(f"unknown --architecture {architecture!r}; use one of: hydra, residual")
-    for name, v in (("--num-heads", num_heads), ("--batch-size", batch_size), ("--grad-accum", grad_accum),
-                    ("--max-tokens", max_tokens), ("--num-layers", num_layers), ("--workers", workers),
-                    ("--gen-batch-size", gen_batch_size)):
-        if v < 1:
-            _fail(f"{name} must be >= 1, got {v}")
-    if epochs <= 0 or lr <= 0:
-        _fail("--epochs and --lr must be > 0")
-    if kl_weight < 0 or head_decay <= 0:
-        _fail("--kl-weight must be >= 0 and --head-decay > 0")
+    try:
+        cfg = TrainConfig(num_heads=num_heads, num_layers=num_layers, epochs=epochs, kl_weight=kl_weight,
+                          head_decay=head_decay, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
+                          warmup=warmup, checkpoint_every=checkpoint_every, seed=seed)
+        settings = {"max_tokens": max_tokens, "workers": workers, "gen_batch_size": gen_batch_size,
+                    "draft_vocab": draft_vocab, "architecture": architecture}
+        check_run_settings(**settings)
+    except ValueError as e:
+        _fail(str(e))
     _check_out(out, folder=True)
     _blas_hint()
-    cfg = TrainConfig(num_heads=num_heads, num_layers=num_layers, epochs=epochs, kl_weight=kl_weight,
-                      head_decay=head_decay, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
-                      warmup=warmup, checkpoint_every=checkpoint_every, seed=seed)
     try:
-        report = run(model, out, cfg, data=data, synthesize=synthesize, distill=distill, max_tokens=max_tokens,
-                     resume=resume, draft_vocab=draft_vocab, architecture=architecture, workers=workers,
-                     gen_batch_size=gen_batch_size, tune=tune)
+        report = run(model, out, cfg, data=data, synthesize=synthesize, distill=distill, resume=resume, tune=tune,
+                     **settings)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
     except OSError as e:
@@ -472,9 +410,9 @@ def eval_heads(
     heads: str = _HEADS,
     prompts: str = typer.Option(
         "spec-bench", "--prompts",
-        help="Spec-Bench question.jsonl, or 'spec-bench' for ../shared/data/spec_bench/question.jsonl.",
+        help="A Spec-Bench question.jsonl, or 'spec-bench' for the copy shipped with the package.",
     ),
-    per_group: Optional[int] = typer.Option(None, "--per-group", "--per-category", help="First N questions of each task group (category)."),
+    per_group: Optional[int] = typer.Option(None, *_PER_GROUP, help="First N questions of each task group (category)."),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     tree: Optional[str] = _TREE,
     prompt_lookup: Optional[int] = _LOOKUP,
@@ -483,46 +421,47 @@ def eval_heads(
     workers: int = typer.Option(1, "--workers", help="Decoding processes (2 suits a 2-core CPU)."),
 ):
     """Greedy decoding over Spec-Bench first turns: tau overall, per task group and per category."""
-    from pathlib import Path
+    from mlx_stream.bench import Decoding, decode_items_in_processes, pool_tau, tau_by_category
+    from mlx_stream.files import write_json
+    from mlx_stream.generate import check_generation
+    from mlx_stream.loader import resolve_heads
+    from mlx_stream.prompts import load_spec_bench
 
-    from mlx_stream.bench import decode_items_in_processes, load_spec_bench, pool_tau, tau_by_category
-
-    from mlx_stream.loader import default_heads_path
-
-    _check_params(max_tokens, 0.0, tree, prompt_lookup=prompt_lookup)
-    if out:
-        _check_out(out, folder=False)
-    if workers < 1:
-        _fail(f"--workers must be >= 1, got {workers}")
-    path = Path("../shared/data/spec_bench/question.jsonl") if prompts == "spec-bench" else Path(prompts)
+    decoding = Decoding(max_tokens, tree, prompt_lookup)
     try:
-        items = load_spec_bench(path, per_group)
-        m, tok = _load(model, heads, False, dtype)
+        check_generation(max_tokens, 0.0, tree=tree, prompt_lookup=prompt_lookup)
+        if workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {workers}")
+        items = load_spec_bench(None if prompts == "spec-bench" else prompts, per_group)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+    if out:
+        _check_out(out, folder=False)
+    m, tok = _load(model, heads, dtype)
     if m.heads is None:
         typer.echo("note: no heads loaded; tau will be 1.0", err=True)
     if workers > 1:
-        spec = None if m.heads is None else (default_heads_path(model) if heads == "auto" else heads)
+        spec = resolve_heads(model, heads) if m.heads is not None else None
         del m, tok
         try:
-            res = pool_tau(decode_items_in_processes(model, spec, dtype, items, max_tokens, tree, workers,
-                                                     prompt_lookup))
+            res = pool_tau(decode_items_in_processes(model, spec, dtype, items, decoding, workers))
         except RuntimeError as e:
             _fail(str(e))
     else:
-        res = tau_by_category(m, tok, items, max_tokens, tree, prompt_lookup=prompt_lookup,
+        res = tau_by_category(m, tok, items, decoding,
                               progress=lambda k, s: typer.echo(f"{k}/{len(items)}  tau so far {s['tau']:.3f}", err=True))
     for key, v in res.items():
         typer.echo(f"{key:28s} tau {v['tau']:.3f}  ({v['prompts']} prompts)")
     if out:
-        from mlx_stream.bench import write_json
-
         write_json(res, out)
 
 
 def main() -> None:
-    """The ``mlx-stream`` console command."""
+    """The ``mlx-stream`` console command: on Linux, first re-executed once with OpenBLAS
+    preloaded where it is installed and MLX would otherwise use the slow reference BLAS."""
+    from mlx_stream.env import reexec_with_openblas
+
+    reexec_with_openblas()
     app()
 
 

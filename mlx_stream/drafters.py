@@ -13,7 +13,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 
-from .tree import Tree, no_drafts
+from .tree import Tree, no_drafts, parse_tree
 
 
 class Drafter(Protocol):
@@ -117,8 +117,7 @@ class HeadsDrafter:
     def __init__(self, model, tree: Tree):
         if model.heads is None:
             raise ValueError("HeadsDrafter needs a model with stream heads")
-        if tree.size > 1 and tree.depth > model.heads.num_heads:
-            raise ValueError(f"tree depth {tree.depth} exceeds the {model.heads.num_heads} loaded heads")
+        tree = parse_tree(tree, model.heads.num_heads)  # refuses a tree deeper than the heads
         self.model = model
         self.tree = tree
         self._k = max(tree.topk(), default=0)

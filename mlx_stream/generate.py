@@ -18,12 +18,11 @@ import numpy as np
 
 from .adaptive import SpeculationPolicy
 from .cache import cache_offset, keep_path, make_tree_cache, trim_cache
-from .drafters import AcceptanceObserver, Drafter, HeadsDrafter, LookupDrafter, NoDrafter, propose
+from .drafters import AcceptanceObserver, Drafter, propose
 from .sampling import LogitsProcessor, SamplingParams, log_softmax, process_logits
-from .tree import Tree, no_drafts, parse_tree
+from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
+from .tree import Tree, no_drafts
 from .verify import verify_coupled, verify_greedy
-
-PROMPT_LOOKUP = 10  # default prompt-lookup chain with heads (README: "Prompt lookup")
 
 
 @dataclass
@@ -112,14 +111,27 @@ def _encode(tokenizer, prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def check_generation(max_tokens: int, sampling: SamplingParams | float, vocab_size: int | None = None) -> None:
-    """Raise ``ValueError`` for ``max_tokens <= 0`` or sampling parameters out of
-    range (:meth:`~mlx_stream.sampling.SamplingParams.check`; a float is a temperature)."""
+def check_generation(max_tokens: int, sampling: SamplingParams | float, vocab_size: int | None = None, *,
+                     tree=None, prompt_lookup: int | None = None) -> None:
+    """Check generation settings before any model is loaded or run.
+
+    Args:
+        max_tokens: must be a positive integer.
+        sampling: :meth:`~mlx_stream.sampling.SamplingParams.check` (a float is a temperature).
+        vocab_size: ``top_k`` must stay below it, when given.
+        tree: a tree spec, syntax only (:func:`~mlx_stream.speculation.check_tree_spec`).
+        prompt_lookup: ``None`` or an integer >= 0.
+
+    Raises:
+        ValueError: naming the first setting out of range.
+    """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     if not isinstance(sampling, SamplingParams):
         sampling = SamplingParams(temp=sampling)
     sampling.check(vocab_size)
+    check_tree_spec(tree)
+    check_prompt_lookup(prompt_lookup)
 
 
 class _Emitter:
@@ -185,11 +197,105 @@ class _Emitter:
         return delta, kept, reason
 
 
+class _TreeVerifier:
+    """The target's distribution at every tree node, and the accepted path through it.
+
+    Runs the logits processors at every node on that node's own history, then greedy
+    verification or the sampled rule (``verifier``, with one uniform per position keyed
+    by (seed, position)); one host sync per call.
+    """
+
+    def __init__(self, sampling: SamplingParams, processors: Sequence[LogitsProcessor], verifier: Callable,
+                 entropy: int):
+        self.sampling, self.processors, self.verifier, self.entropy = sampling, processors, verifier, entropy
+
+    def __call__(self, tree: Tree, node_tokens: mx.array, logits: mx.array, history: list[int]):
+        """``(accepted path, next token, node tokens, log-probability of each emitted token)``
+        for the ``(N,)`` node tokens and their ``(N, V)`` logits after ``history``."""
+        if self.processors:
+            paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
+            logits = process_logits(self.processors, mx.array(history, dtype=mx.int32), node_tokens, paths, logits)
+        logprobs = log_softmax(logits)  # (N, V)
+        if self.sampling.greedy:
+            targets = mx.argmax(logits, axis=-1)
+            best = mx.max(logprobs, axis=-1)
+            mx.eval(node_tokens, targets, best)
+            toks = node_tokens.tolist()
+            path, nxt = verify_greedy(tree, toks, targets.tolist())
+            best = best.tolist()
+            return path, nxt, toks, [best[i] for i in path]
+        probs = self.sampling.distribution(logprobs)
+        mx.eval(node_tokens, probs, logprobs)
+        toks = node_tokens.tolist()
+        # the token after a node of depth d lands at position len(history) + d
+        uniforms = [np.random.default_rng([self.entropy, len(history) + d]).random() for d in range(tree.depth + 1)]
+        path, nxt = self.verifier(tree, toks, np.array(probs), uniforms)
+        lp = np.array(logprobs)
+        emitted = [toks[i] for i in path[1:]] + [nxt]
+        return path, nxt, toks, [float(lp[i, t]) for i, t in zip(path, emitted)]
+
+
+@dataclass
+class _Step:
+    """What one forward pass over a draft tree decided."""
+
+    tree: Tree
+    node_tokens: list[int]
+    path: list[int]  # accepted nodes, root first
+    next_token: int  # the target's token after the accepted path
+    logprobs: list[float]  # of each emitted token
+    hidden: mx.array  # (H,) final hidden state at the last accepted node
+    mid: mx.array | None  # (H,) the captured layer's input there (msa heads)
+
+    @property
+    def emitted(self) -> list[int]:
+        return [self.node_tokens[i] for i in self.path[1:]] + [self.next_token]
+
+
+def _prefill(model, cache: PromptCache, ids: list[int], capture: int | None, step_size: int):
+    # the prompt's keys/values into the cache (reusing its common prefix); returns the last
+    # position's (hidden, mid) and the number of tokens reused
+    reused = cache.reuse(ids)
+    rest = ids[reused:]
+    for i in range(0, len(rest), step_size):
+        h, mid = model.family.prefill_hidden(model.backbone, mx.array(rest[i : i + step_size]), cache.layers,
+                                             capture=capture)
+        hidden, mid = h[-1], (mid[-1] if mid is not None else None)
+        mx.eval(hidden, [c.state for c in cache.layers])
+    cache.tokens = list(ids)
+    return hidden, mid, reused
+
+
+def _decode_step(model, cache: PromptCache, drafter: Drafter, verify: _TreeVerifier, tokens: list[int],
+                 last: _Step, depth: int, drafts_on: bool) -> _Step:
+    # one backbone forward over the tree rooted at the last emitted token: verify the
+    # drafts, keep the accepted path in the cache, and keep the states the next drafts read
+    fam, backbone = model.family, model.backbone
+    capture = getattr(drafter, "capture", None)
+    start = cache_offset(cache.layers)  # == len(tokens) - 1: the root is not cached yet
+    if depth >= 1:
+        tree, drafts = propose(drafter, last.hidden, tokens, depth, last.mid,
+                               cache.layers if capture is not None else None, base=drafts_on)
+    else:
+        tree, drafts = no_drafts(), mx.zeros((0,), dtype=mx.int32)
+    node_tokens = mx.concatenate([mx.array([last.next_token], dtype=mx.int32), drafts.astype(mx.int32)])
+    positions = mx.array(start + tree.depths, dtype=mx.int32)
+    mask = None
+    if tree.size > 1:  # causal over the cache, ancestors-only inside the tree
+        mask = mx.concatenate([mx.ones((tree.size, start), dtype=mx.bool_), mx.array(tree.mask)], axis=1)
+    h, mids = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers, capture=capture)  # (N, H)
+    path, nxt, node_list, lps = verify(tree, node_tokens, fam.project(backbone, h), tokens)
+    keep_path(cache.layers, start, path)
+    cache.tokens.extend(node_list[i] for i in path)
+    return _Step(tree, node_list, path, nxt, lps, h[path[-1]], mids[path[-1]] if mids is not None else None)
+
+
 def stream_generate(
     model,
     tokenizer,
     prompt: str | Sequence[int] | mx.array,
     max_tokens: int = 256,
+    *,
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -223,12 +329,12 @@ def stream_generate(
         logits_processors: mlx-lm logits processors ``f(tokens, logits) -> logits``
             (``mlx_lm.sample_utils.make_logits_processors``: repetition penalty, logit
             bias, ...), applied at every tree node with that node's own history.
-        tree: the draft tree when drafting with the model's heads (see
-            :func:`mlx_stream.tree.parse_tree`); ``"auto"``: the heads' candidate tree
-            with the best expected speed on this device (:func:`mlx_stream.autotree.auto_tree`,
-            measured once, then cached); None uses the tree stored with the heads
-            (``HeadConfig.tree``), else the default sparse tree; ignored without heads.
-        drafter: a custom :class:`~mlx_stream.drafters.Drafter` (overrides ``tree``).
+        tree: the draft tree when drafting with the model's heads
+            (:func:`mlx_stream.speculation.resolve_tree`: ``None`` is the tree stored
+            with the heads, ``"auto"`` the fastest on this device, or a preset or rank
+            paths); ignored without heads.
+        drafter: a custom :class:`~mlx_stream.drafters.Drafter` (overrides ``tree`` and
+            ``prompt_lookup``).
         stop: stop string(s); output ends before the first occurrence.
         seed: an int >= 0 (``temp > 0``): the token at each position is drawn with a
             uniform keyed by (seed, position), so the same seed and settings give the
@@ -243,13 +349,10 @@ def stream_generate(
             :class:`~mlx_stream.adaptive.SpeculationPolicy`); the output is the same
             either way. None: on when drafting with the model's heads, off for a
             custom ``drafter``.
-        prompt_lookup: the most tokens drafted per step by prompt lookup (a copy of
-            what followed the context's longest repeated suffix, 2 (n - 1) tokens after
-            an n-token match), grafted into the heads' tree
-            (:class:`~mlx_stream.drafters.LookupDrafter`) at every step with a match,
-            whatever adaptive speculation decides for the heads; 0 turns it off.
-            None: ``PROMPT_LOOKUP`` with the model's heads, 0 without. Ignored with a
-            custom ``drafter``.
+        prompt_lookup: the most tokens drafted per step by prompt lookup
+            (:class:`~mlx_stream.drafters.LookupDrafter`, joined to the heads' tree
+            whatever adaptive speculation decides for the heads); 0 turns it off;
+            None: :data:`~mlx_stream.speculation.PROMPT_LOOKUP` with heads, 0 without.
 
     Yields:
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
@@ -260,136 +363,62 @@ def stream_generate(
     """
     sampling = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
     check_generation(max_tokens, sampling, model.args.vocab_size)
-    processors = list(logits_processors or [])
-    verifier = verifier or verify_coupled
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
-    entropy = np.random.SeedSequence(seed).entropy
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
     ids = _encode(tokenizer, prompt)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token")
     ctx = model.context_length
     if ctx is not None and len(ids) >= ctx:
         raise ValueError(
-            f"the prompt has {len(ids)} tokens but the model's context window is {ctx}: "
-            "shorten the prompt"
+            f"the prompt has {len(ids)} tokens but the model's context window is {ctx}: shorten the prompt"
         )
     if adaptive is None:
         adaptive = drafter is None
-    if prompt_lookup is not None and (isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int)
-                                      or prompt_lookup < 0):
-        raise ValueError(f"prompt_lookup must be an integer >= 0 (0: off) or None, got {prompt_lookup!r}")
-    if drafter is None:
-        if model.heads is not None:
-            if tree is None and model.heads.config.tree:
-                tree = model.heads.config.tree  # the tree these heads were tuned for
-            if isinstance(tree, str) and tree.strip() == "auto":
-                from .autotree import auto_tree
-
-                tree = auto_tree(model)[0]  # measured once per device, then cached
-            drafter = HeadsDrafter(model, parse_tree(tree, model.heads.num_heads))
-        else:
-            drafter = NoDrafter()
-        if prompt_lookup is None:
-            prompt_lookup = PROMPT_LOOKUP if model.heads is not None else 0
-        if prompt_lookup:
-            drafter = LookupDrafter(drafter, prompt_lookup)
+    drafter = drafter if drafter is not None else make_drafter(model, tree, prompt_lookup)
+    verify = _TreeVerifier(sampling, list(logits_processors or []), verifier or verify_coupled,
+                           np.random.SeedSequence(seed).entropy)
     cache = prompt_cache if prompt_cache is not None else PromptCache(model)
-    fam, backbone = model.family, model.backbone
-    emitter = _Emitter(tokenizer, max_tokens, stop)
+    emitter = _Emitter(tokenizer, max_tokens, [stop] if isinstance(stop, str) else list(stop or []))
     policy = SpeculationPolicy() if adaptive and drafter.tree.size > 1 else None
-
-    def pick(tree: Tree, node_tokens: mx.array, logits: mx.array, history: list[int]):
-        # the target's processed distribution at every node -> (accepted path, next token,
-        # node tokens, log-probability of each emitted token); one host sync
-        if processors:
-            paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
-            logits = process_logits(processors, mx.array(history, dtype=mx.int32), node_tokens, paths, logits)
-        logprobs = log_softmax(logits)  # (N, V)
-        if sampling.greedy:
-            targets = mx.argmax(logits, axis=-1)
-            best = mx.max(logprobs, axis=-1)
-            mx.eval(node_tokens, targets, best)
-            toks = node_tokens.tolist()
-            path, nxt = verify_greedy(tree, toks, targets.tolist())
-            best = best.tolist()
-            return path, nxt, toks, [best[i] for i in path]
-        probs = sampling.distribution(logprobs)
-        mx.eval(node_tokens, probs, logprobs)
-        toks = node_tokens.tolist()
-        # one uniform per position, keyed by (seed, position): the token after a node of
-        # depth d lands at position len(history) + d
-        uniforms = [np.random.default_rng([entropy, len(history) + d]).random() for d in range(tree.depth + 1)]
-        path, nxt = verifier(tree, toks, np.array(probs), uniforms)
-        lp = np.array(logprobs)
-        emitted = [toks[i] for i in path[1:]] + [nxt]
-        return path, nxt, toks, [float(lp[i, t]) for i, t in zip(path, emitted)]
 
     # prefill; the last hidden state gives the first token and feeds the heads
     tic = time.perf_counter()
-    reused = cache.reuse(ids)
-    rest = ids[reused:]
-    cap = getattr(drafter, "capture", None)  # the layer whose input msa heads read
-    for i in range(0, len(rest), prefill_step_size):
-        out = fam.prefill_hidden(backbone, mx.array(rest[i : i + prefill_step_size]), cache.layers, capture=cap)
-        hidden, mid = (out[0][-1], out[1][-1]) if cap is not None else (out[-1], None)
-        mx.eval(hidden, [c.state for c in cache.layers])
-    cache.tokens = list(ids)
+    hidden, mid, reused = _prefill(model, cache, ids, getattr(drafter, "capture", None), prefill_step_size)
     root = no_drafts()
-    _, y, _, lps = pick(root, mx.array([ids[-1]], dtype=mx.int32), fam.project(backbone, hidden)[None], ids)
-    prompt_time = time.perf_counter() - tic
-    prompt_tps = len(rest) / prompt_time
-    tic = time.perf_counter()
+    path, y, _, lps = verify(root, mx.array([ids[-1]], dtype=mx.int32),
+                             model.family.project(model.backbone, hidden)[None], ids)
+    step = _Step(root, [ids[-1]], path, y, lps, hidden, mid)
+    prompt_tps = (len(ids) - reused) / (time.perf_counter() - tic)
 
-    n_fwd, accepted, drafted, chunk = 0, 0, 0, [y]
-    tokens = list(ids)  # prompt + output; the root is last
+    tic = time.perf_counter()
+    n_fwd = 0
+    tokens = list(ids)  # prompt + output; the root (the last emitted token) is last
     while True:
-        tokens.extend(chunk)
-        start = cache_offset(cache.layers)  # == len(tokens) - 1: the root is not cached
-        # prompt + output never exceeds the context window
+        tokens.extend(step.emitted)
         room = (ctx - len(tokens)) if ctx is not None else None  # tokens that may still follow
-        delta, kept, reason = emitter.push(chunk, out_of_room=room is not None and room <= 0)
+        delta, kept, reason = emitter.push(step.emitted, out_of_room=room is not None and room <= 0)
         elapsed = max(time.perf_counter() - tic, 1e-9)
         yield GenerationResponse(
-            text=delta, tokens=kept, accepted=accepted, prompt_tokens=len(ids), prompt_tps=prompt_tps,
+            text=delta, tokens=kept, accepted=len(step.path) - 1, prompt_tokens=len(ids), prompt_tps=prompt_tps,
             generation_tokens=len(emitter.tokens), generation_tps=len(emitter.tokens) / elapsed,
             forward_passes=n_fwd, peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
             tau=(len(emitter.tokens) + emitter.eos_hit - 1) / n_fwd if n_fwd else 0.0,
-            logprobs=lps[: len(kept)], drafted=drafted, cached_tokens=reused,
+            logprobs=step.logprobs[: len(kept)], drafted=step.tree.size - 1, cached_tokens=reused,
         )
         if reason is not None:
             return
-
-        # one forward over the tree: verify last step's drafts, draft the next tree
+        # the tree may not reach past max_tokens or the context window
         depth = min(max_tokens - len(emitter.tokens) - 1, room - 1 if room is not None else 1 << 30)
+        # the policy decides on the heads' tree; prompt-lookup chains join whenever they match
+        drafts_on = depth >= 1 and (policy is None or policy.use_drafts())
         step_tic = time.perf_counter()
-        # the policy decides on the static tree; prompt-lookup chains join whenever they match
-        use_tree = depth >= 1 and (policy is None or policy.use_drafts())
-        if depth >= 1:
-            t, drafts = propose(drafter, hidden, tokens, depth, mid, cache.layers if cap is not None else None,
-                                base=use_tree)
-        else:
-            t, drafts = root, mx.zeros((0,), dtype=mx.int32)
-        static = drafter.tree.truncate(depth).size if use_tree else 1
-        node_tokens = mx.concatenate([mx.array([y], dtype=mx.int32), drafts.astype(mx.int32)])
-        positions = mx.array(start + t.depths, dtype=mx.int32)
-        mask = None
-        if t.size > 1:
-            mask = mx.concatenate([mx.ones((t.size, start), dtype=mx.bool_), mx.array(t.mask)], axis=1)
-        out = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers, capture=cap)
-        h, mids = out if cap is not None else (out, None)  # (N, H) each
-        path, y, node_list, lps = pick(t, node_tokens, fam.project(backbone, h), tokens)
-        if policy is not None and depth >= 1 and t.size == static:  # timings of steps without a chain
-            policy.observe(static > 1, time.perf_counter() - step_tic, len(path))
-        keep_path(cache.layers, start, path)
-        cache.tokens.extend(node_list[i] for i in path)
-        hidden = h[path[-1]]
-        mid = mids[path[-1]] if mids is not None else None
-        accepted, drafted = len(path) - 1, t.size - 1
-        chunk = [node_list[i] for i in path[1:]] + [y]
+        step = _decode_step(model, cache, drafter, verify, tokens, step, depth, drafts_on)
+        static = drafter.tree.truncate(depth).size if drafts_on else 1
+        if policy is not None and depth >= 1 and step.tree.size == static:  # steps without a chain
+            policy.observe(static > 1, time.perf_counter() - step_tic, len(step.path))
         if isinstance(drafter, AcceptanceObserver):  # learns from what was accepted (prompt lookup)
-            drafter.observe(t, node_list, chunk)
+            drafter.observe(step.tree, step.node_tokens, step.emitted)
         n_fwd += 1
 
 

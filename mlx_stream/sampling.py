@@ -31,6 +31,22 @@ def check_sampling(temp: float) -> None:
         raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temp!r}")
 
 
+def make_processors(repetition_penalty: float | None = None) -> list[LogitsProcessor]:
+    """mlx-lm's logits processors (``make_logits_processors``) for the command line's
+    options, checked first.
+
+    Raises:
+        ValueError: ``repetition_penalty`` not a finite number > 0 (1 = none).
+    """
+    from mlx_lm.sample_utils import make_logits_processors
+
+    if repetition_penalty is not None and not (
+            isinstance(repetition_penalty, (int, float)) and math.isfinite(repetition_penalty)
+            and repetition_penalty > 0):
+        raise ValueError(f"repetition_penalty must be a number > 0 (1 = none), got {repetition_penalty!r}")
+    return make_logits_processors(repetition_penalty=repetition_penalty)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a token is drawn from the processed logits (mlx-lm's ``make_sampler``).

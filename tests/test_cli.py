@@ -43,7 +43,7 @@ def test_generate_json(tiny_dir):
     (["--temp", "1", "--top-k", "-2"], "top_k"),
     (["--temp", "1", "--top-k", "100000"], "vocabulary size"),
     (["--temp", "1", "--min-p", "1.5"], "min_p"),
-    (["--repetition-penalty", "0"], "repetition-penalty"),
+    (["--repetition-penalty", "0"], "repetition_penalty"),
     (["--model", "no/such/thing/here"], "unknown model"),
     (["--model", "missing.gguf"], "GGUF file not found"),
 ])
@@ -134,8 +134,8 @@ def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
     assert g.returncode == 0 and json.loads(g.stdout)["heads"] is True
 
 
-@pytest.mark.parametrize("args,msg", [(["--num-heads", "0"], "--num-heads"), (["--epochs", "0"], "--epochs"),
-                                      (["--data", "/nonexistent.jsonl"], "dataset not found")])
+@pytest.mark.parametrize("args,msg", [(["--num-heads", "0"], "num_heads"), (["--epochs", "0"], "epochs"),
+                                      (["--data", "/nonexistent.jsonl"], "/nonexistent.jsonl: file not found")])
 def test_train_bad_input_exits_2(tiny_dir, tmp_path, args, msg):
     r = run("train", "--model", str(tiny_dir), "--out", str(tmp_path / "o"), *args)
     assert r.returncode == 2 and msg in r.stderr, r.stderr
@@ -236,6 +236,7 @@ def test_corrupt_model_folders_give_one_line_errors(tiny_dir, tmp_path):
         assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # three training runs SIGKILLed and resumed (make test-all)
 def test_train_killed_at_any_point_resumes_to_the_same_heads(tiny_dir, tmp_path):
     """SIGKILL the whole `mlx-stream train` process group at several moments (prompts,
     distillation, features, training), then `--resume`: the heads equal an uninterrupted

@@ -147,3 +147,62 @@ def test_header_types_agree_with_the_gguf_package(gguf_path):
 
     ref = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(gguf_path)).tensors}
     assert gguf_tensor_types(gguf_path) == ref
+
+
+def test_conversion_cache_is_keyed_by_content(gguf_path, tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    import mlx_stream.convert
+    from mlx_stream.loader import resolve_model_path
+
+    monkeypatch.setenv("MLX_STREAM_CACHE", str(tmp_path / "cache"))
+    real_convert, calls = mlx_stream.convert.convert_gguf, []
+
+    def counting_convert(*args, **kwargs):
+        calls.append(args)
+        return real_convert(*args, **kwargs)
+
+    monkeypatch.setattr(mlx_stream.convert, "convert_gguf", counting_convert)
+    a, b = tmp_path / "clone1" / "model.gguf", tmp_path / "clone2" / "model.gguf"
+    for p, t in ((a, 1_600_000_000), (b, 1_700_000_000)):
+        p.parent.mkdir()
+        shutil.copyfile(gguf_path, p)
+        os.utime(p, (t, t))
+    out = resolve_model_path(a)
+    assert resolve_model_path(b) == out and resolve_model_path(a) == out
+    assert len(calls) == 1 and (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    # everything under models/ is the one complete folder: no staging leftovers
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [out.name]
+    # the same content under another file name reuses it too
+    c = tmp_path / "clone3" / "renamed.gguf"
+    c.parent.mkdir()
+    shutil.copyfile(a, c)
+    assert resolve_model_path(c) == out and len(calls) == 1
+    index = json.loads((tmp_path / "cache" / "gguf-sha256.json").read_text())
+    assert {str(p.resolve()) for p in (a, b, c)} <= set(index)
+    (digest,) = {e["sha256"] for e in index.values()}
+    assert out.name == f"model-{digest[:12]}"
+
+
+def test_conversion_cache_uses_the_folder_another_process_finished_first(tmp_path, monkeypatch):
+    import mlx_stream.convert
+    from mlx_stream.loader import resolve_model_path
+
+    monkeypatch.setenv("MLX_STREAM_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"not really a gguf")
+    models = tmp_path / "cache" / "models"
+
+    def racing_convert(gguf, out):
+        (out / "config.json").write_text('{"ours": true}')
+        # meanwhile another process renames its complete copy into place
+        theirs = models / out.name.split(".")[1]  # out is models/.m-<key>.<random>.partial
+        theirs.mkdir()
+        (theirs / "config.json").write_text('{"theirs": true}')
+        return out
+
+    monkeypatch.setattr(mlx_stream.convert, "convert_gguf", racing_convert)
+    out = resolve_model_path(src)
+    assert json.loads((out / "config.json").read_text()) == {"theirs": True}
+    assert [p.name for p in models.iterdir()] == [out.name]

@@ -152,8 +152,8 @@ def test_logits_match_transformers(converted, arch):
     from mlx_stream.cache import make_tree_cache
 
     cache = make_tree_cache(model.backbone)
-    h = model.family.tree_hidden(model.backbone, mx.array(ids), mx.arange(len(ids)),
-                                 mx.array(np.tril(np.ones((len(ids), len(ids)), dtype=bool))), cache)
+    h, _ = model.family.tree_hidden(model.backbone, mx.array(ids), mx.arange(len(ids)),
+                                    mx.array(np.tril(np.ones((len(ids), len(ids)), dtype=bool))), cache)
     np.testing.assert_allclose(np.array(model.project(h)), ours_, atol=1e-4)
 
 

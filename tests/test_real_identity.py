@@ -12,12 +12,12 @@ import mlx_stream
 from helpers import assert_greedy_identical, mlx_lm_greedy, ours
 from mlx_stream import OracleDrafter, chain
 from mlx_stream.heads import new_heads
+from mlx_stream.prompts import BUILTIN_PROMPTS, load_prompts
 from mlx_stream.tree import sparse
 
-from mlx_stream.bench import load_prompts
-
-PROMPTS = load_prompts(Path(mlx_stream.__file__).parent / "data" / "prompts.jsonl")
+PROMPTS = load_prompts(BUILTIN_PROMPTS)
 MAX_TOKENS = 128
+QUICK = (0,)  # the prompts `make test` runs; `make test-all` runs all 20
 K = 3
 SHIPPED_MIN_TAU = 1.1  # broken heads give ~1.0; every built-in prompt measured above this with SHIPPED_TREE
 # a 5-node tree for the quality check (the tree stored with the heads is the fastest on
@@ -43,7 +43,7 @@ def random_heads(real):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("i", range(len(PROMPTS)))
+@pytest.mark.parametrize("i", [i if i in QUICK else pytest.param(i, marks=pytest.mark.slow) for i in range(len(PROMPTS))])
 def test_greedy_identity_real(real, shipped_heads, random_heads, i):
     model, tok = real
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i]}], add_generation_prompt=True)
@@ -73,7 +73,7 @@ def test_greedy_identity_real(real, shipped_heads, random_heads, i):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("i", [0, 7])
+@pytest.mark.parametrize("i", [0, pytest.param(7, marks=pytest.mark.slow)])
 def test_greedy_identity_real_with_processors(real, shipped_heads, i):
     """With repetition/presence penalties and a logit bias on, the shipped heads still
     give plain mlx-lm's greedy output (same processors), and the same log-probabilities."""

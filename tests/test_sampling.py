@@ -90,6 +90,7 @@ def chi_square(counts, bins, n):
     return float(stat), float(p), len(obs) - 1
 
 
+@pytest.mark.slow  # a chi-square test: minutes (make test-all)
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_sampled_tokens_follow_the_plain_distribution(spread, name):
     model, tok, ids = spread
@@ -131,6 +132,7 @@ def no_residual(tree, tokens, probs, uniforms):
         path.append(node)
 
 
+@pytest.mark.slow  # a chi-square test: minutes (make test-all)
 @pytest.mark.parametrize("verifier", [greedy_acceptance, no_residual])
 def test_the_same_test_rejects_a_biased_verifier(spread, verifier):
     model, tok, ids = spread

@@ -30,7 +30,7 @@ def test_tree_nodes_match_sequential(tiny, prefix_len):
     # root = last prefix token; positions = offset + depth; ancestors-only mask
     node_tokens[0] = prefix[-1]
     mask = mx.concatenate([mx.ones((tree.size, start), dtype=mx.bool_), mx.array(tree.mask)], axis=1)
-    h = fam.tree_hidden(bb, mx.array(node_tokens), mx.array(start + tree.depths), mask, cache)
+    h, _ = fam.tree_hidden(bb, mx.array(node_tokens), mx.array(start + tree.depths), mask, cache)
     logits = np.array(fam.project(bb, h))
 
     for i in range(tree.size):
@@ -60,7 +60,7 @@ def test_compacted_cache_continues_like_sequential(tiny):
     keep_path(cache, start, path)
     assert cache[0].offset == start + len(path)
     nxt = int(rng.integers(3, V))
-    h = fam.tree_hidden(bb, mx.array([nxt]), mx.array([cache[0].offset]), None, cache)
+    h, _ = fam.tree_hidden(bb, mx.array([nxt]), mx.array([cache[0].offset]), None, cache)
     got = np.array(fam.project(bb, h))[0]
     ref = _sequential_logits(model, prefix[:-1] + [nodes[j] for j in path] + [nxt])[-1]
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)

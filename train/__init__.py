@@ -1,14 +1,31 @@
 """Fine-tuning stream heads against a frozen backbone: data (user jsonl, Magpie
 prompts, self-distillation), a feature cache of the frozen backbone, the
-multi-stream loss and the training loop."""
+multi-stream loss and the training loop.
 
-from .data import read_jsonl, self_distill, split, synthesize_prompts, to_example, write_jsonl
-from .features import FeatureCache, build_features, build_features_from_ids, load_features, targets_for
-from .loss import head_weights, stream_loss
-from .trainer import TrainConfig, evaluate, implied_tau, train_heads
+The names below are imported on first use (the command line reads ``TrainConfig``'s
+defaults without loading the rest).
+"""
 
-__all__ = [
-    "FeatureCache", "TrainConfig", "build_features", "build_features_from_ids", "evaluate", "head_weights",
-    "implied_tau", "load_features", "read_jsonl", "self_distill", "split", "stream_loss",
-    "synthesize_prompts", "targets_for", "to_example", "train_heads", "write_jsonl",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "FeatureCache": ".features", "build_features": ".features", "build_features_from_ids": ".features",
+    "load_features": ".features", "targets_for": ".features",
+    "read_jsonl": ".data", "self_distill": ".data", "split": ".data", "synthesize_prompts": ".data",
+    "to_example": ".data", "write_jsonl": ".data",
+    "head_weights": ".loss", "stream_loss": ".loss",
+    "TrainConfig": ".config", "evaluate": ".trainer", "implied_tau": ".trainer", "train_heads": ".trainer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mlx_stream.train' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

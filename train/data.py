@@ -21,48 +21,20 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from mlx_stream.files import atomic_write
+from mlx_stream.prompts import prompt_ids, read_jsonl  # noqa: F401 (re-exported)
+
 _SENTINEL = "\u2063MLXSTREAM\u2063"
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a jsonl file.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: a line that is not a JSON object (file and line named).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: dataset not found")
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object per line")
-            rows.append(row)
-    return rows
 
 
 def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
     """Write rows atomically (temporary file beside ``path``, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    def write(tmp: Path) -> None:
+        with tmp.open("w", encoding="utf-8") as f:
             for r in rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+
+    return atomic_write(path, write)
 
 
 def to_example(row: dict, where: str = "row") -> dict:
@@ -94,18 +66,6 @@ def split(rows: Sequence[dict], valid_fraction: float, seed: int) -> tuple[list[
     random.Random(seed).shuffle(rows)
     n_valid = min(max(1, round(len(rows) * valid_fraction)), len(rows) - 1) if len(rows) > 1 else 0
     return rows[n_valid:], rows[:n_valid]
-
-
-def prompt_ids(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt through the chat template (a string is one user turn;
-    an empty string means no template: raw text). A tokenizer without a chat template
-    (a base model such as OPT) encodes the text as it is (turns joined by newlines)."""
-    if prompt == "":
-        return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if getattr(tokenizer, "chat_template", None) is None:
-        return tokenizer.encode("\n".join(m["content"] for m in msgs))
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
 
 
 def user_prefix(tokenizer) -> str:

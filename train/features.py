@@ -213,7 +213,7 @@ def build_features_from_ids(model, sequences, out_dir: str | Path, num_heads: in
         for i, (ids, start) in enumerate(sequences):
             if len(ids) - start < 1:
                 continue
-            h = model.family.prefill_hidden(model.backbone, mx.array(ids), make_prompt_cache(model.backbone))
+            h, _ = model.family.prefill_hidden(model.backbone, mx.array(ids), make_prompt_cache(model.backbone))
             h = np.array(h[max(start - 1, 0) : len(ids) - 1].astype(getattr(mx, dtype)))
             writer.add(h, targets_for(ids, start, num_heads))
             if progress:

@@ -29,6 +29,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from mlx_stream.workers import run_in_processes
+
 from .data import prompt_ids, read_jsonl, split, synthesize_prompts, to_example, write_jsonl
 from .features import FeatureWriter, load_features, sequence_ids, targets_for
 from .generation import generate_batch
@@ -40,22 +42,10 @@ def _log(msg: str) -> None:
 
 
 def _in_processes(target, arg_lists: list[tuple]) -> None:
-    """Run ``target(*args)`` for each args in its own spawned process and wait for all.
-
-    Raises:
-        RuntimeError: a process failed (its output explains why; rerun with --resume).
-    """
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=args, daemon=True) for args in arg_lists]
-    for pr in procs:
-        pr.start()
-    for pr in procs:
-        pr.join()
-    failed = [i + 1 for i, pr in enumerate(procs) if pr.exitcode != 0]
-    if failed:
-        raise RuntimeError(f"worker process(es) {failed} of {len(procs)} failed; rerun with --resume")
+    try:
+        run_in_processes(target, arg_lists)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; rerun with --resume") from e
 
 
 def _synth_worker(model_spec: str, dtype: str, n: int, seed: int, path: Path) -> None:
@@ -189,7 +179,7 @@ def build_split(model, tokenizer, rows: list[dict], out: Path, name: str, num_he
             ids, start = sequence_ids(tokenizer, row)
             if len(ids) - start < 1:
                 continue
-            h = model.family.prefill_hidden(model.backbone, mx.array(ids), model.make_cache())
+            h, _ = model.family.prefill_hidden(model.backbone, mx.array(ids), model.make_cache())
             h = np.array(h[max(start - 1, 0) : len(ids) - 1].astype(mx.float16))
             writer.add(h, targets_for(ids, start, num_heads), {"index": i, **row})
         for part in parts:
@@ -212,6 +202,30 @@ def choose_draft_vocab(feats, size: int) -> tuple[np.ndarray, float]:
     return ids, float(counts[ids].sum() / max(counts.sum(), 1))
 
 
+def check_run_settings(max_tokens: int = 256, workers: int = 1, gen_batch_size: int = 32, draft_vocab: int = 0,
+                       architecture: str = "hydra") -> None:
+    """Check :func:`run`'s data and heads settings before anything is loaded or written.
+
+    Raises:
+        ValueError: a count below 1 (``draft_vocab`` below 0), or an architecture that
+            ``run`` does not train (msa heads train on whole sequences:
+            ``benchmarks/compare_heads.py``).
+    """
+    from mlx_stream.heads import ARCHITECTURES
+
+    for name, v in (("max_tokens", max_tokens), ("workers", workers), ("gen_batch_size", gen_batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 0:
+        raise ValueError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab!r}")
+    if architecture == "msa":
+        raise ValueError("msa heads train on whole sequences and are not trained by `mlx-stream train`; they are "
+                         "compared in benchmarks/compare_heads.py (README: hydra heads are better with a frozen "
+                         "backbone)")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {architecture!r}; use one of: hydra, residual")
+
+
 def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = None, synthesize: int = 512,
         distill: bool = True, max_tokens: int = 256, valid_fraction: float = 0.05, resume: bool = False,
         dtype: str = "float32", progress: bool = True, draft_vocab: int = 0, architecture: str = "hydra",
@@ -228,6 +242,8 @@ def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = N
     from mlx_stream.loader import load
     from mlx_stream.tree import chain, sparse
 
+    check_run_settings(max_tokens=max_tokens, workers=workers, gen_batch_size=gen_batch_size,
+                       draft_vocab=draft_vocab, architecture=architecture)
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not resume:
         raise ValueError(f"{out}: holds a previous run; pass --resume to continue it or choose another --out")

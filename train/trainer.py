@@ -19,42 +19,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_stream.files import staged_folder
+
+from .config import TrainConfig
 from .features import FeatureCache
 from .loss import draft_vocab_lut, head_weights, stream_logits, stream_loss
-
-
-@dataclass
-class TrainConfig:
-    """Training settings.
-
-    Attributes:
-        num_heads: K stream heads.
-        num_layers: residual blocks per head.
-        epochs: passes over the training positions (fractions allowed).
-        batch_size: positions (tokens) per micro-batch.
-        grad_accum: micro-batches per optimizer step.
-        lr: peak learning rate; warm-up is linear over ``warmup`` steps, then cosine to 0.
-        warmup: warm-up optimizer steps.
-        weight_decay: AdamW weight decay.
-        head_decay: loss weight of head j is ``head_decay**(j-1)``.
-        kl_weight: weight of the KL to the backbone's own distribution (soft targets;
-            0 trains on hard labels only).
-        checkpoint_every: optimizer steps between checkpoints (0: only at the end).
-        seed: seeds the batch order (one permutation per epoch).
-    """
-
-    num_heads: int = 3
-    num_layers: int = 1
-    epochs: float = 3.0
-    batch_size: int = 256
-    grad_accum: int = 1
-    lr: float = 1e-3
-    warmup: int = 50
-    weight_decay: float = 0.0
-    head_decay: float = 0.8
-    kl_weight: float = 0.0
-    checkpoint_every: int = 200
-    seed: int = 0
 
 
 def implied_tau(ranks: np.ndarray, choices) -> float:
@@ -163,20 +132,10 @@ def _schedule(cfg: TrainConfig, total: int):
 
 
 def _save_checkpoint(path: Path, heads, opt, state: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with staged_folder(path, replace=True) as tmp:
         mx.save_safetensors(str(tmp / "heads.safetensors"), dict(tree_flatten(heads.parameters())))
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_checkpoint(path: Path, heads, opt) -> dict:

@@ -1,6 +1,7 @@
 """Tree-capable forwards, one module per architecture family.
 
-Each family module provides ``tree_hidden``, ``prefill_hidden``, ``project``,
+Each family module provides ``tree_hidden`` and ``prefill_hidden`` (both return
+``(hidden, mid)``: ``mid`` is the input of a captured layer, or None), ``project``,
 ``embed``, ``output_layer`` and ``state_size`` over an mlx-lm-style model object
 (llama also ``stream_hidden`` and ``main_stream_kv`` for multi-stream attention
 heads); :func:`family` picks the module for a backbone.

@@ -33,12 +33,15 @@ def _attention(attn, x, positions, mask, cache):
 
 
 def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, capture: int | None = None):
-    """Final (normed) hidden states of the tree nodes, ``(N, hidden_size)``.
+    """Final (normed) hidden states of the tree nodes and, with ``capture=l``, the
+    hidden states entering layer ``l`` (what multi-stream attention heads read).
 
     ``mask`` is ``None`` for a single node, else a bool ``(N, S)`` array over the
-    cached prefix plus the tree (S = cache offset + N). With ``capture=l`` it returns
-    ``(hidden, x_l)``, ``x_l`` ``(N, hidden_size)`` being the hidden states entering
-    layer ``l`` (what multi-stream attention heads read).
+    cached prefix plus the tree (S = cache offset + N).
+
+    Returns:
+        ``(hidden, mid)``: ``hidden`` ``(N, hidden_size)``; ``mid`` ``(N, hidden_size)``,
+        or ``None`` without ``capture``.
     """
     inner = backbone.model
     h = inner.embed_tokens(tokens[None])  # (1, N, H)
@@ -48,14 +51,15 @@ def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, ca
             mid = h[0]
         h = h + _attention(layer.self_attn, layer.input_layernorm(h), positions, mask, c)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return inner.norm(h)[0] if capture is None else (inner.norm(h)[0], mid)
+    return inner.norm(h)[0], mid
 
 
 def prefill_hidden(backbone, tokens: mx.array, cache, capture: int | None = None):
-    """Final hidden states of a causal prefill, ``(L, hidden_size)`` (mlx-lm's own
-    forward); with ``capture=l``, ``(hidden, x_l)`` as in :func:`tree_hidden`."""
+    """``(hidden, mid)`` of a causal prefill of L tokens, as :func:`tree_hidden`:
+    ``hidden`` ``(L, hidden_size)`` (mlx-lm's own forward), ``mid`` ``None`` without
+    ``capture``."""
     if capture is None:
-        return backbone.model(tokens[None], cache=cache)[0]
+        return backbone.model(tokens[None], cache=cache)[0], None
     from mlx_lm.models.base import create_attention_mask
 
     inner = backbone.model

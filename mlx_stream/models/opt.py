@@ -190,7 +190,8 @@ def _attention(attn, x, mask, cache):
 
 
 def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, capture: int | None = None):
-    """The output projection's inputs at the tree nodes, ``(N, word_embed_proj_dim)``.
+    """``(hidden, None)``: the output projection's inputs at the tree nodes, ``hidden``
+    ``(N, word_embed_proj_dim)`` (the same return shape as the llama family's).
 
     Each node is embedded at its own position (``positions``, absolute); ``mask`` is
     ``None`` for one node, else bool ``(N, S)`` over the cached prefix plus the tree.
@@ -211,14 +212,14 @@ def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, ca
         h = h + layer.fc2(nn.relu(layer.fc1(a)))
         if not layer.pre_norm:
             h = layer.final_layer_norm(h)
-    return dec.finish(h)[0]
+    return dec.finish(h)[0], None
 
 
 def prefill_hidden(backbone, tokens: mx.array, cache, capture: int | None = None):
-    """The output projection's inputs after a causal prefill, ``(L, word_embed_proj_dim)``."""
+    """``(hidden, None)`` after a causal prefill: ``hidden`` ``(L, word_embed_proj_dim)``."""
     if capture is not None:
         raise ValueError("msa stream heads need a llama-family backbone; use residual or hydra heads with OPT")
-    return backbone.model(tokens[None], cache)[0]
+    return backbone.model(tokens[None], cache)[0], None
 
 
 def project(backbone, hidden: mx.array) -> mx.array:

@@ -43,7 +43,9 @@ def position_cache(seqs, finals, num_heads):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", default="runs/smollm2-135m-instruct", help="a finished `mlx-stream train` folder")
+    ap.add_argument(
+        "--run", default="runs/smollm2-135m-instruct", help="a finished `mlx-stream train` folder"
+    )
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--sequences", type=int, default=300, help="training sequences used (the first N)")
     ap.add_argument("--valid-sequences", type=int, default=50)
@@ -59,16 +61,25 @@ def main():
     K, layer = a.num_heads, len(model.backbone.layers) - a.stream_layers
     run = Path(a.run)
     tic = time.perf_counter()
-    tr_seqs, tr_fin = sequence_features(model, tok, read_jsonl(run / "data" / "train.jsonl")[: a.sequences], layer)
-    va_seqs, va_fin = sequence_features(model, tok, read_jsonl(run / "data" / "valid.jsonl")[: a.valid_sequences], layer)
+    tr_seqs, tr_fin = sequence_features(
+        model, tok, read_jsonl(run / "data" / "train.jsonl")[: a.sequences], layer
+    )
+    va_seqs, va_fin = sequence_features(
+        model, tok, read_jsonl(run / "data" / "valid.jsonl")[: a.valid_sequences], layer
+    )
     tr, va = position_cache(tr_seqs, tr_fin, K), position_cache(va_seqs, va_fin, K)
-    print(f"features: {len(tr)} training / {len(va)} held-out positions in {time.perf_counter() - tic:.0f}s", flush=True)
+    print(
+        f"features: {len(tr)} training / {len(va)} held-out positions in {time.perf_counter() - tic:.0f}s",
+        flush=True,
+    )
     ids, _ = choose_draft_vocab(tr, a.draft_vocab)
     ids = mx.array(ids)
     valid = np.asarray(va.targets[:, 1 : K + 1]) >= 0
     results = {}
     for arch in a.archs.split(","):
-        heads = new_heads(model.backbone, tok, K, draft_ids=ids, architecture=arch, stream_layers=a.stream_layers)
+        heads = new_heads(
+            model.backbone, tok, K, draft_ids=ids, architecture=arch, stream_layers=a.stream_layers
+        )
         model.heads = heads
         tic = time.perf_counter()
         if arch == "msa":
@@ -87,21 +98,33 @@ def main():
             "positions_per_s": speed,
             "params": sum(v.size for _, v in tree_flatten(heads.trainable_parameters())),
             "top1": [float(((ranks[:, j] == 0) & valid[:, j]).sum() / n[j]) for j in range(K)],
-            "top5": [float(((ranks[:, j] >= 0) & (ranks[:, j] < 5) & valid[:, j]).sum() / n[j]) for j in range(K)],
+            "top5": [
+                float(((ranks[:, j] >= 0) & (ranks[:, j] < 5) & valid[:, j]).sum() / n[j]) for j in range(K)
+            ],
             "tau_chain": tree_from_ranks(np.where(ranks > 0, -1, ranks), K)[1],
-            "tau_5": tau5, "tree_5": format_tree(tree5),
+            "tau_5": tau5,
+            "tree_5": format_tree(tree5),
             "tau_15": tree_from_ranks(ranks, 15)[1],
             "draft_ms": draft_times(model, [tree5])[0],
         }
         print(json.dumps({arch: results[arch]}), flush=True)
-    Path(a.out).write_text(json.dumps({"args": vars(a), "train_positions": len(tr), "valid_positions": len(va),
-                                       "results": results}, indent=2))
-    print("\n| heads | params | train pos/s | top-1 (heads 1..K) | top-5 | tau chain | tau 5-node | tau 15-node | draft ms |")
+    Path(a.out).write_text(
+        json.dumps(
+            {"args": vars(a), "train_positions": len(tr), "valid_positions": len(va), "results": results},
+            indent=2,
+        )
+    )
+    print(
+        "\n| heads | params | train pos/s | top-1 (heads 1..K) | top-5 | tau chain | tau 5-node "
+        "| tau 15-node | draft ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for arch, r in results.items():
-        print(f"| {arch} | {r['params'] / 1e6:.2f}M | {r['positions_per_s']:.0f} | "
-              f"{' / '.join(f'{x:.2f}' for x in r['top1'])} | {' / '.join(f'{x:.2f}' for x in r['top5'])} | "
-              f"{r['tau_chain']:.2f} | {r['tau_5']:.2f} | {r['tau_15']:.2f} | {r['draft_ms']:.1f} |")
+        print(
+            f"| {arch} | {r['params'] / 1e6:.2f}M | {r['positions_per_s']:.0f} | "
+            f"{' / '.join(f'{x:.2f}' for x in r['top1'])} | {' / '.join(f'{x:.2f}' for x in r['top5'])} | "
+            f"{r['tau_chain']:.2f} | {r['tau_5']:.2f} | {r['tau_15']:.2f} | {r['draft_ms']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

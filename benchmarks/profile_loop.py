@@ -36,7 +36,7 @@ from pathlib import Path
 
 def _by_name(stats: pstats.Stats) -> dict:
     out = {}
-    for (file, line, name), (cc, nc, tt, ct, callers) in stats.stats.items():
+    for (file, _line, name), (_cc, _nc, tt, ct, callers) in stats.stats.items():
         out.setdefault(name, []).append((file, tt, ct, callers))
     return out
 
@@ -61,8 +61,10 @@ def breakdown(stats: pstats.Stats, prefill_s: float = 0.0) -> dict:
         "verification (host)": cum("verify_greedy") + cum("verify_coupled"),
         "KV cache (keep_path)": cum("keep_path"),
         "text (stop strings, detokenizer)": cum("push", "generate.py"),
-        "logits processing (log_softmax, sampling filters)": cum("__call__", "generate.py") - own("__call__", "generate.py")
-        - cum("verify_greedy") - cum("verify_coupled"),
+        "logits processing (log_softmax, sampling filters)": cum("__call__", "generate.py")
+        - own("__call__", "generate.py")
+        - cum("verify_greedy")
+        - cum("verify_coupled"),
     }
     parts["other Python"] = total - sum(parts.values())
     return {"total_s": total, "phases_s": parts}
@@ -88,7 +90,9 @@ def main() -> None:
     for t in texts:
         ids = prompt_ids(tok, t)
         prof.enable()
-        for r in mlx_stream.stream_generate(model, tok, ids, max_tokens=args.max_tokens, temp=args.temp, seed=0):
+        for r in mlx_stream.stream_generate(  # noqa: B007 (the last response is read below)
+            model, tok, ids, max_tokens=args.max_tokens, temp=args.temp, seed=0
+        ):
             pass
         prof.disable()
         tokens, passes = tokens + r.generation_tokens, passes + r.forward_passes
@@ -97,7 +101,9 @@ def main() -> None:
     res.update({"prompts": len(texts), "tokens": tokens, "forward_passes": passes, "temp": args.temp})
     print(f"{len(texts)} prompts, {tokens} tokens, {passes} decoding passes, {res['total_s']:.1f} s")
     for k, v in res["phases_s"].items():
-        print(f"  {k:45s} {v:7.2f} s  {100 * v / res['total_s']:5.1f}%  {1e3 * v / max(passes, 1):6.2f} ms/pass")
+        print(
+            f"  {k:45s} {v:7.2f} s  {100 * v / res['total_s']:5.1f}%  {1e3 * v / max(passes, 1):6.2f} ms/pass"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
 

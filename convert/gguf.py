@@ -58,17 +58,40 @@ def _scalar(meta, key, default=None):
 def _unpermute(w: mx.array, n_head: int) -> mx.array:
     """Inverse of llama.cpp's ``permute``: rows (n_head, D/2, 2) -> (n_head, 2, D/2)."""
     rows = w.shape[0]
-    return (
-        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-              10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
-              17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS",
-              24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16"}
+GGML_TYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    15: "Q8_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
+    20: "IQ4_NL",
+    21: "IQ3_S",
+    22: "IQ2_S",
+    23: "IQ4_XS",
+    24: "I8",
+    25: "I16",
+    26: "I32",
+    27: "I64",
+    28: "F64",
+    29: "IQ1_M",
+    30: "BF16",
+}
 SUPPORTED_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")  # what mx.load reads exactly
 _KV_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
@@ -83,6 +106,7 @@ def gguf_tensor_types(path: str | Path) -> dict[str, str]:
 
     path = Path(path)
     with open(path, "rb") as f:
+
         def read(n):
             b = f.read(n)
             if len(b) != n:
@@ -159,8 +183,7 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
         return mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:
         raise ValueError(
-            f"{path}: cannot read this GGUF ({e}); supported tensor types are "
-            "F32, F16, Q4_0, Q4_1 and Q8_0"
+            f"{path}: cannot read this GGUF ({e}); supported tensor types are F32, F16, Q4_0, Q4_1 and Q8_0"
         ) from e
 
 

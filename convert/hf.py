@@ -29,8 +29,15 @@ from mlx.utils import tree_flatten
 from mlx_stream.files import staged_folder
 
 TOKENIZER_FILES = (
-    "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
+    "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
     "chat_template.json",
 )
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "OPTForCausalLM": "opt"}
@@ -51,7 +58,9 @@ def model_classes(config: dict):
         ValueError: another architecture (the message lists the supported ones).
     """
     arch = (config.get("architectures") or [None])[0]
-    kind = ARCHITECTURES.get(arch) or (config.get("model_type") if config.get("model_type") in ("llama", "opt") else None)
+    kind = ARCHITECTURES.get(arch) or (
+        config.get("model_type") if config.get("model_type") in ("llama", "opt") else None
+    )
     if kind == "llama":
         from mlx_lm.models import llama
 
@@ -60,8 +69,10 @@ def model_classes(config: dict):
         from mlx_stream.models import opt
 
         return opt.Model, opt.ModelArgs
-    raise ValueError(f"architecture {arch or config.get('model_type')!r} is not supported: "
-                     f"convert one of {', '.join(ARCHITECTURES)}")
+    raise ValueError(
+        f"architecture {arch or config.get('model_type')!r} is not supported: "
+        f"convert one of {', '.join(ARCHITECTURES)}"
+    )
 
 
 def weight_files(src: Path) -> list[Path]:
@@ -70,8 +81,10 @@ def weight_files(src: Path) -> list[Path]:
     Raises:
         FileNotFoundError: no weights, or a shard the index names is missing.
     """
-    for index, pattern in (("model.safetensors.index.json", "*.safetensors"),
-                           ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+    for index, pattern in (
+        ("model.safetensors.index.json", "*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    ):
         if (src / index).is_file():
             shards = sorted(set(_read_json(src / index).get("weight_map", {}).values()))
             missing = [s for s in shards if not (src / s).is_file()]
@@ -104,8 +117,14 @@ def read_weights(files: list[Path]) -> dict[str, mx.array]:
     return weights
 
 
-def convert_hf(src: str | Path, out: str | Path, dtype: str | None = None, quantize: bool = False,
-               q_bits: int = 4, q_group_size: int = 64) -> Path:
+def convert_hf(
+    src: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+) -> Path:
     """Convert a Hugging Face Llama 2 or OPT checkpoint folder into an mlx-lm folder.
 
     Args:
@@ -126,8 +145,7 @@ def convert_hf(src: str | Path, out: str | Path, dtype: str | None = None, quant
             do not match the configuration (the message names the tensor), a tokenizer
             that does not load, or a non-empty ``out``.
     """
-    from mlx_lm.utils import load_tokenizer
-    from mlx_lm.utils import quantize_model, save_config
+    from mlx_lm.utils import load_tokenizer, quantize_model, save_config
 
     src, out = Path(src), Path(out)
     if not src.is_dir():
@@ -139,12 +157,16 @@ def convert_hf(src: str | Path, out: str | Path, dtype: str | None = None, quant
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if quantize and (q_bits not in (4, 8) or q_group_size not in (32, 64, 128)):
-        raise ValueError(f"quantisation needs --q-bits 4|8 and --q-group-size 32|64|128, got {q_bits}, {q_group_size}")
+        raise ValueError(
+            f"quantisation needs --q-bits 4|8 and --q-group-size 32|64|128, got {q_bits}, {q_group_size}"
+        )
     config = _read_json(src / "config.json")
     Model, ModelArgs = model_classes(config)
     toks = [f for f in TOKENIZER_FILES if (src / f).is_file()]
     if not any(f in toks for f in ("tokenizer.model", "tokenizer.json", "vocab.json")):
-        raise FileNotFoundError(f"{src}: no tokenizer (tokenizer.model, tokenizer.json or vocab.json + merges.txt)")
+        raise FileNotFoundError(
+            f"{src}: no tokenizer (tokenizer.model, tokenizer.json or vocab.json + merges.txt)"
+        )
 
     try:
         model = Model(ModelArgs.from_dict(config))
@@ -156,22 +178,30 @@ def convert_hf(src: str | Path, out: str | Path, dtype: str | None = None, quant
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
     if missing or extra:
-        raise ValueError(f"{src}: the weights do not match config.json: "
-                         + (f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else "")
-                         + ("; " if missing and extra else "")
-                         + (f"unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else ""))
+        raise ValueError(
+            f"{src}: the weights do not match config.json: "
+            + (f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else "")
+        )
     for k, v in weights.items():
         if v.shape != expected[k].shape:
-            raise ValueError(f"{src}: tensor {k} has shape {tuple(v.shape)}, config.json implies "
-                             f"{tuple(expected[k].shape)}")
+            raise ValueError(
+                f"{src}: tensor {k} has shape {tuple(v.shape)}, config.json implies "
+                f"{tuple(expected[k].shape)}"
+            )
     target = DTYPES.get(dtype or config.get("torch_dtype") or config.get("dtype") or "")
     if target is not None:
-        weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        weights = {
+            k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
+        }
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     config = dict(config)
     if target is not None:
-        config["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[target]
+        config["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[
+            target
+        ]
     if quantize:
         model, config = quantize_model(model, config, q_group_size, q_bits)
 
@@ -182,8 +212,8 @@ def convert_hf(src: str | Path, out: str | Path, dtype: str | None = None, quant
             load_tokenizer(tmp)
         except Exception as e:  # transformers raises many types; the message is what matters
             raise ValueError(f"{src}: the tokenizer files do not load ({type(e).__name__}: {e})") from e
-        mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                            metadata={"format": "mlx"})
+        mx.save_safetensors(
+            str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+        )
         save_config(config, tmp / "config.json")
     return out
-

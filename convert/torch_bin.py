@@ -18,9 +18,16 @@ import mlx.core as mx
 import numpy as np
 
 _STORAGES = {
-    "FloatStorage": np.float32, "HalfStorage": np.float16, "BFloat16Storage": "bfloat16",
-    "DoubleStorage": np.float64, "LongStorage": np.int64, "IntStorage": np.int32,
-    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
+    "FloatStorage": np.float32,
+    "HalfStorage": np.float16,
+    "BFloat16Storage": "bfloat16",
+    "DoubleStorage": np.float64,
+    "LongStorage": np.int64,
+    "IntStorage": np.int32,
+    "ShortStorage": np.int16,
+    "CharStorage": np.int8,
+    "ByteStorage": np.uint8,
+    "BoolStorage": np.bool_,
 }
 
 
@@ -34,7 +41,9 @@ def _rebuild_tensor(storage: _Storage, offset, size, stride, *args):
     if not size:
         return a[offset : offset + 1].reshape(())
     item = a.itemsize
-    return np.lib.stride_tricks.as_strided(a[offset:], shape=tuple(size), strides=tuple(s * item for s in stride)).copy()
+    return np.lib.stride_tricks.as_strided(
+        a[offset:], shape=tuple(size), strides=tuple(s * item for s in stride)
+    ).copy()
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *args):
@@ -56,8 +65,10 @@ class _Unpickler(pickle.Unpickler):
             return name
         if module == "collections" and name == "OrderedDict":
             return OrderedDict
-        raise ValueError(f"{self.where}: unexpected object {module}.{name} in the checkpoint "
-                         "(only tensors are read; re-save it as safetensors)")
+        raise ValueError(
+            f"{self.where}: unexpected object {module}.{name} in the checkpoint "
+            "(only tensors are read; re-save it as safetensors)"
+        )
 
     def persistent_load(self, pid):
         # ('storage', storage_type, key, location, numel)
@@ -93,8 +104,10 @@ def load_torch_bin(path: str | Path) -> dict[str, mx.array]:
         names = archive.namelist()
         pkl = next(n for n in names if n.endswith("data.pkl"))
     except (zipfile.BadZipFile, StopIteration, OSError) as e:
-        raise ValueError(f"{path}: not a readable PyTorch zip checkpoint ({e or 'no data.pkl'}); "
-                         "re-download it or convert it to safetensors") from e
+        raise ValueError(
+            f"{path}: not a readable PyTorch zip checkpoint ({e or 'no data.pkl'}); "
+            "re-download it or convert it to safetensors"
+        ) from e
     prefix = pkl[: -len("/data.pkl")]
     with archive:
         try:

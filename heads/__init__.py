@@ -5,6 +5,14 @@ from .io import backbone_fingerprint, load_heads, new_heads, output_weight, save
 from .modules import HydraBlock, ResidualBlock, StreamHeads
 
 __all__ = [
-    "ARCHITECTURES", "HeadConfig", "HydraBlock", "ResidualBlock", "StreamHeads",
-    "backbone_fingerprint", "load_heads", "new_heads", "output_weight", "save_heads",
+    "ARCHITECTURES",
+    "HeadConfig",
+    "HydraBlock",
+    "ResidualBlock",
+    "StreamHeads",
+    "backbone_fingerprint",
+    "load_heads",
+    "new_heads",
+    "output_weight",
+    "save_heads",
 ]

@@ -59,7 +59,8 @@ class HeadConfig:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if self.architecture == "msa" and (self.stream_layers < 1 or self.adapter_size < 1):
             raise ValueError(
-                f"msa heads need stream_layers >= 1 and adapter_size >= 1, got {self.stream_layers}, {self.adapter_size}"
+                "msa heads need stream_layers >= 1 and adapter_size >= 1, "
+                f"got {self.stream_layers}, {self.adapter_size}"
             )
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in 0..{self.vocab_size}, got {self.draft_vocab_size}")
@@ -72,7 +73,7 @@ class HeadConfig:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_file(cls, path: Path) -> "HeadConfig":
+    def from_file(cls, path: Path) -> HeadConfig:
         """Read ``config.json``.
 
         Raises:
@@ -81,7 +82,9 @@ class HeadConfig:
         """
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: heads config not found (expected config.json in the heads folder)")
+            raise FileNotFoundError(
+                f"{path}: heads config not found (expected config.json in the heads folder)"
+            )
         try:
             raw = json.loads(path.read_text())
             return cls(**raw)

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,8 +24,11 @@ def output_weight(backbone) -> mx.array:
     head = family(backbone).output_layer(backbone)
     if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         return mx.dequantize(
-            head.weight, head.scales.astype(mx.float32), head.biases.astype(mx.float32),
-            head.group_size, head.bits,
+            head.weight,
+            head.scales.astype(mx.float32),
+            head.biases.astype(mx.float32),
+            head.group_size,
+            head.bits,
         )
     return head.weight
 
@@ -56,9 +56,18 @@ def backbone_fingerprint(backbone, tokenizer) -> dict:
     }
 
 
-def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed: int | None = None,
-              scale: float = 0.0, draft_ids: mx.array | None = None, architecture: str = "residual",
-              stream_layers: int = 2, adapter_size: int = 128) -> StreamHeads:
+def new_heads(
+    backbone,
+    tokenizer,
+    num_heads: int = 3,
+    num_layers: int = 1,
+    seed: int | None = None,
+    scale: float = 0.0,
+    draft_ids: mx.array | None = None,
+    architecture: str = "residual",
+    stream_layers: int = 2,
+    adapter_size: int = 128,
+) -> StreamHeads:
     """Fresh heads for ``backbone``: their output blocks zero-initialised (``scale=0``,
     so a fresh head repeats the backbone's own prediction), or every weight drawn from
     N(0, scale^2) (for tests). Carries the backbone fingerprint. ``stream_layers`` and
@@ -72,8 +81,10 @@ def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed
 
     fam = family(backbone)
     if architecture == "msa" and not hasattr(fam, "stream_hidden"):
-        raise ValueError(f"msa stream heads need a llama-family backbone, not {backbone.model_type!r}: "
-                         "use residual or hydra heads")
+        raise ValueError(
+            f"msa stream heads need a llama-family backbone, not {backbone.model_type!r}: "
+            "use residual or hydra heads"
+        )
     if architecture == "msa" and stream_layers > len(backbone.layers):
         raise ValueError(f"stream_layers={stream_layers} but the backbone has {len(backbone.layers)} layers")
     cfg = HeadConfig(
@@ -95,8 +106,10 @@ def new_heads(backbone, tokenizer, num_heads: int = 3, num_layers: int = 1, seed
     if scale > 0:
         params = [(name, scale * mx.random.normal(p.shape, key=k)) for (name, p), k in zip(flat, keys)]
     else:  # nn.Linear's default init for what is not zero-initialised, but from ``seed``, not the global RNG
-        params = [(name, p if not p.any() else mx.random.uniform(-1, 1, p.shape, key=k) / math.sqrt(p.shape[-1]))
-                  for (name, p), k in zip(flat, keys)]
+        params = [
+            (name, p if not p.any() else mx.random.uniform(-1, 1, p.shape, key=k) / math.sqrt(p.shape[-1]))
+            for (name, p), k in zip(flat, keys)
+        ]
     heads.load_weights(params, strict=False)
     mx.eval(heads.parameters())
     return heads
@@ -113,8 +126,10 @@ def save_heads(heads: StreamHeads, path: str | Path, dtype: mx.Dtype | None = No
     path = Path(path)
     with staged_folder(path, replace=True) as tmp:
         (tmp / "config.json").write_text(heads.config.to_json())
-        weights = {k: v.astype(dtype) if dtype is not None and mx.issubdtype(v.dtype, mx.floating) else v
-                   for k, v in tree_flatten(heads.parameters())}
+        weights = {
+            k: v.astype(dtype) if dtype is not None and mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in tree_flatten(heads.parameters())
+        }
         mx.save_safetensors(str(tmp / "heads.safetensors"), weights, metadata={"format": "mlx"})
     return path
 
@@ -151,7 +166,9 @@ def load_heads(path: str | Path, fingerprint: dict | None = None) -> StreamHeads
     except (RuntimeError, ValueError, OSError) as e:
         raise ValueError(f"{wfile}: not a readable safetensors file ({e})") from e
     heads = StreamHeads(cfg)
-    weights = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    weights = {
+        k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
+    }
     try:
         heads.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

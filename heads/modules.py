@@ -79,7 +79,8 @@ class StreamHeads(nn.Module):
     * ``"msa"`` (multi-stream attention, Bhendawade et al. 2024, sec. 3.1, with the
       backbone frozen): stream j starts as ``x_t + P_j + R e(x_{t+1})`` (the hidden
       state entering layer L - N_s, a learned stream embedding, and, as in Hydra, the
-      projected embedding of the root token x_{t+1}, which is known when drafting) and runs through the backbone's
+      projected embedding of the root token x_{t+1}, which is known when drafting) and runs through the
+      backbone's
       own top N_s layers, each preceded by a stream-only :class:`Adapter`; stream j
       attends to the main stream's keys/values at positions <= t and to streams
       1..j at t, at rotary position t + j. The main stream never attends to the
@@ -98,7 +99,9 @@ class StreamHeads(nn.Module):
             self.root.weight = mx.zeros_like(self.root.weight)
             self.adapters = [Adapter(H, config.adapter_size) for _ in range(config.stream_layers)]
         if config.architecture == "hydra":
-            self.heads = [[HydraBlock(H)] + [ResidualBlock(H) for _ in range(n - 1)] for _ in range(config.num_heads)]
+            self.heads = [
+                [HydraBlock(H)] + [ResidualBlock(H) for _ in range(n - 1)] for _ in range(config.num_heads)
+            ]
         else:
             self.heads = [[ResidualBlock(H) for _ in range(n)] for _ in range(config.num_heads)]
         if config.draft_vocab_size:

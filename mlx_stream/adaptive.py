@@ -77,6 +77,6 @@ class SpeculationPolicy:
             self._seen.add(drafted)
             return
         if drafted:
-            self.t_draft = (self.t_draft + [seconds])[-self.window:]
+            self.t_draft = (self.t_draft + [seconds])[-self.window :]
         else:
-            self.t_plain = (self.t_plain + [seconds])[-self.window:]
+            self.t_plain = (self.t_plain + [seconds])[-self.window :]

@@ -16,8 +16,8 @@ import hashlib
 import json
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .cost import draft_times, forward_cost
 from .files import write_json
@@ -45,8 +45,16 @@ def score_trees(model, candidates: Sequence[tuple[Tree, float]], repeats: int = 
     for tree, tau in candidates:
         d = next(ms) if tree.size > 1 else 0.0
         cost = costs[tree.size] + d / costs["t1_ms"]
-        sizes.append({"tree": format_tree(tree) or "none", "nodes": tree.size - 1, "tau": tau, "cost": cost,
-                      "draft_ms": d, "speedup_bound": tau / cost})
+        sizes.append(
+            {
+                "tree": format_tree(tree) or "none",
+                "nodes": tree.size - 1,
+                "tau": tau,
+                "cost": cost,
+                "draft_ms": d,
+                "speedup_bound": tau / cost,
+            }
+        )
     best = max(range(len(sizes)), key=lambda i: sizes[i]["speedup_bound"])
     return {"best": best, "t1_ms": costs["t1_ms"], "sizes": sizes}
 
@@ -97,23 +105,30 @@ def auto_tree(model, cache_dir: str | Path | None = None, refresh: bool = False)
         raise ValueError("tree='auto' chooses among the heads' trees: load heads first")
     cands = model.heads.config.tree_taus
     if not cands:
-        raise ValueError("these heads carry no candidate trees (config.json 'tree_taus', written by "
-                         "`mlx-stream train`); pass a tree such as '0;1;0,0' instead of 'auto'")
+        raise ValueError(
+            "these heads carry no candidate trees (config.json 'tree_taus', written by "
+            "`mlx-stream train`); pass a tree such as '0;1;0,0' instead of 'auto'"
+        )
     if cache_dir is None:
         from .loader import cache_dir as default_dir
 
         cache_dir = default_dir() / "trees"
     key = device_key(model)
-    path = Path(cache_dir) / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
+    path = Path(cache_dir) / (
+        hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json"
+    )
     if path.is_file() and not refresh:
         try:
             info = json.loads(path.read_text())
-            return parse_tree(info["sizes"][info["best"]]["tree"], model.heads.num_heads), info | {"cached": True}
+            return parse_tree(info["sizes"][info["best"]]["tree"], model.heads.num_heads), info | {
+                "cached": True
+            }
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             pass  # an unreadable cache entry is measured again and rewritten
     # plain decoding (tau 1, cost 1) is always a candidate: no tree may be worth its cost here
     candidates = [(parse_tree("none", 1), 1.0)] + [
-        (parse_tree(t, model.heads.num_heads), float(tau)) for t, tau in sorted(cands.items()) if t != "none"]
+        (parse_tree(t, model.heads.num_heads), float(tau)) for t, tau in sorted(cands.items()) if t != "none"
+    ]
     info = score_trees(model, candidates) | {"key": key}
     try:
         write_json(info, path)

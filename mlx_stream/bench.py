@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 import mlx.core as mx
 
@@ -60,8 +59,12 @@ class Decoding:
 
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`mlx_stream.stream_generate`."""
-        return {"max_tokens": self.max_tokens, "tree": self.tree, "prompt_lookup": self.prompt_lookup,
-                **self.sampling}
+        return {
+            "max_tokens": self.max_tokens,
+            "tree": self.tree,
+            "prompt_lookup": self.prompt_lookup,
+            **self.sampling,
+        }
 
 
 def compare(
@@ -89,8 +92,13 @@ def compare(
     from .generate import stream_generate
 
     s = decoding.sampling
-    sampler = None if decoding.greedy else make_sampler(
-        temp=s["temp"], top_p=s.get("top_p", 1.0), min_p=s.get("min_p", 0.0), top_k=s.get("top_k", 0))
+    sampler = (
+        None
+        if decoding.greedy
+        else make_sampler(
+            temp=s["temp"], top_p=s.get("top_p", 1.0), min_p=s.get("min_p", 0.0), top_k=s.get("top_k", 0)
+        )
+    )
     # warm-up: both paths, so one-time costs hit neither measurement
     warm = prompt_ids(tokenizer, "Hello")
     for _ in mlx_lm.stream_generate(model, tokenizer, mx.array(warm), max_tokens=8):
@@ -102,18 +110,22 @@ def compare(
         ids = prompt_ids(tokenizer, p)
         ref, plain_tps = [], 0.0
         mx.random.seed(seed + i)
-        for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=decoding.max_tokens,
-                                        sampler=sampler):
+        for r in mlx_lm.stream_generate(
+            model, tokenizer, mx.array(ids), max_tokens=decoding.max_tokens, sampler=sampler
+        ):
             if r.token in tokenizer.eos_token_ids:
                 break
             ref.append(r.token)
             plain_tps = r.generation_tps
         drafter = make_drafter(ids, ref) if make_drafter else None
         got, last = [], None
-        for last in stream_generate(model, tokenizer, ids, drafter=drafter, seed=seed + i, **decoding.kwargs()):
+        for last in stream_generate(
+            model, tokenizer, ids, drafter=drafter, seed=seed + i, **decoding.kwargs()
+        ):
             got.extend(last.tokens)
-        res = PromptResult(i, len(got), plain_tps, last.generation_tps, last.tau,
-                           got == ref if decoding.greedy else None)
+        res = PromptResult(
+            i, len(got), plain_tps, last.generation_tps, last.tau, got == ref if decoding.greedy else None
+        )
         results.append(res)
         if progress:
             progress(res)
@@ -125,7 +137,8 @@ def summary(results: Sequence[PromptResult], groups: Sequence[str] | None = None
     count; with ``groups`` (a label per prompt) also the medians per group."""
     out = {
         "prompts": len(results),
-        "identical": sum(bool(r.identical) for r in results) if results and results[0].identical is not None
+        "identical": sum(bool(r.identical) for r in results)
+        if results and results[0].identical is not None
         else None,
         "median_speedup": statistics.median(r.speedup for r in results),
         "median_tau": statistics.median(r.tau for r in results),
@@ -194,25 +207,41 @@ def side_by_side(
         _, info = auto_tree(model)
         chosen = info["sizes"][info["best"]] | {"cached": info["cached"]}
         decoding = replace(decoding, tree=chosen["tree"])
-        log(f"tree auto: {chosen['tree']} ({chosen['nodes']} drafted nodes): expected tau {chosen['tau']:.2f}, "
+        log(
+            f"tree auto: {chosen['tree']} ({chosen['nodes']} drafted nodes): "
+            f"expected tau {chosen['tau']:.2f}, "
             f"cost {chosen['cost']:.2f}, speedup bound x{chosen['speedup_bound']:.2f}"
-            f"{' (cached choice)' if info['cached'] else ''}")
+            f"{' (cached choice)' if info['cached'] else ''}"
+        )
     cost = forward_cost(model, sizes=tuple(sorted({1, 2, 4, 8, 16} | ({shape.size} if shape else set()))))
-    log("c(N) = " + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items() if n != "t1_ms")
-        + f"  (1-token forward {cost['t1_ms']:.1f} ms)")
-    res = summary(compare(model, tokenizer, prompts, decoding, make_drafter=make, progress=progress, seed=seed),
-                  groups)
+    log(
+        "c(N) = "
+        + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items() if n != "t1_ms")
+        + f"  (1-token forward {cost['t1_ms']:.1f} ms)"
+    )
+    res = summary(
+        compare(model, tokenizer, prompts, decoding, make_drafter=make, progress=progress, seed=seed), groups
+    )
     res |= {"tree": decoding.tree, "tree_auto": chosen, "forward_cost": {str(k): v for k, v in cost.items()}}
     if oracle:
         # every rank-0 draft is accepted: tau / c(N) is what a loop without overhead would reach
         ceiling = res["median_tau"] / cost[shape.size]
-        res["oracle_ceiling"] = {"tree_nodes": shape.size, "c": cost[shape.size], "ceiling": ceiling,
-                                 "loop_overhead": 1 - res["median_speedup"] / ceiling}
+        res["oracle_ceiling"] = {
+            "tree_nodes": shape.size,
+            "c": cost[shape.size],
+            "ceiling": ceiling,
+            "loop_overhead": 1 - res["median_speedup"] / ceiling,
+        }
     return res
 
 
-def decode_items(model, tokenizer, items: Sequence[dict], decoding: Decoding,
-                 progress: Callable[[dict], None] | None = None) -> list[dict]:
+def decode_items(
+    model,
+    tokenizer,
+    items: Sequence[dict],
+    decoding: Decoding,
+    progress: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Greedy generation over ``items`` (``{"prompt", "group", "category"}``, through the
     chat template), drafting at every step (adaptive speculation off: tau measures the
     drafts, not the policy). Returns one row per item: the item's labels plus ``tokens``
@@ -225,12 +254,18 @@ def decode_items(model, tokenizer, items: Sequence[dict], decoding: Decoding,
     rows = []
     for it in items:
         ids = prompt_ids(tokenizer, it["prompt"])
-        row = {"group": it["group"], "category": it["category"], "tokens": 0.0, "forward_passes": 0, "skipped": False}
+        row = {
+            "group": it["group"],
+            "category": it["category"],
+            "tokens": 0.0,
+            "forward_passes": 0,
+            "skipped": False,
+        }
         if ctx is not None and len(ids) + decoding.max_tokens > ctx:
             row["skipped"] = True
         else:
             last = None
-            for last in stream_generate(model, tokenizer, ids, adaptive=False, **kwargs):
+            for last in stream_generate(model, tokenizer, ids, adaptive=False, **kwargs):  # noqa: B007
                 pass
             row["tokens"], row["forward_passes"] = last.tau * last.forward_passes, last.forward_passes
         rows.append(row)
@@ -257,8 +292,13 @@ def pool_tau(rows: Sequence[dict]) -> dict:
     return res
 
 
-def tau_by_category(model, tokenizer, items: Sequence[dict], decoding: Decoding,
-                    progress: Callable[[int, dict], None] | None = None) -> dict:
+def tau_by_category(
+    model,
+    tokenizer,
+    items: Sequence[dict],
+    decoding: Decoding,
+    progress: Callable[[int, dict], None] | None = None,
+) -> dict:
     """Greedy generation over ``items``; tau overall, per task group and per category
     (:func:`decode_items` then :func:`pool_tau`)."""
     done: list[dict] = []
@@ -266,7 +306,9 @@ def tau_by_category(model, tokenizer, items: Sequence[dict], decoding: Decoding,
     def step(row):
         done.append(row)
         if progress:
-            progress(len(done), pool_tau(done)["all"] if any(not r["skipped"] for r in done) else {"tau": 0.0})
+            progress(
+                len(done), pool_tau(done)["all"] if any(not r["skipped"] for r in done) else {"tau": 0.0}
+            )
 
     return pool_tau(decode_items(model, tokenizer, items, decoding, step))
 
@@ -278,8 +320,9 @@ def _decode_worker(model_spec: str, heads, dtype: str, items, decoding: Decoding
     write_json(decode_items(model, tokenizer, items, decoding), path)
 
 
-def decode_items_in_processes(model_spec: str, heads, dtype: str, items: Sequence[dict], decoding: Decoding,
-                              workers: int) -> list[dict]:
+def decode_items_in_processes(
+    model_spec: str, heads, dtype: str, items: Sequence[dict], decoding: Decoding, workers: int
+) -> list[dict]:
     """:func:`decode_items` split over ``workers`` spawned processes (item i goes to
     worker i mod workers; each loads the model itself), rows back in item order. On a
     2-core CPU two single-threaded processes nearly double the throughput.
@@ -291,8 +334,10 @@ def decode_items_in_processes(model_spec: str, heads, dtype: str, items: Sequenc
 
     with tempfile.TemporaryDirectory() as tmp:
         paths = [f"{tmp}/{w}.json" for w in range(workers)]
-        run_in_processes(_decode_worker, [(model_spec, heads, dtype, list(items[w::workers]), decoding, paths[w])
-                                          for w in range(workers)])
+        run_in_processes(
+            _decode_worker,
+            [(model_spec, heads, dtype, list(items[w::workers]), decoding, paths[w]) for w in range(workers)],
+        )
         parts = [json.loads(Path(p).read_text()) for p in paths]
     return [parts[i % workers][i // workers] for i in range(len(items))]
 
@@ -320,9 +365,14 @@ def environment(dtype: str | None = None) -> dict:
     else:
         blas = "reference BLAS (slow: see the README's CPU fast path)"
     return {
-        "machine": platform.machine(), "processor": platform.processor() or None, "cpus": os.cpu_count(),
-        "os": platform.platform(), "python": platform.python_version(), "device": str(mx.default_device()),
-        "blas": blas, "dtype": dtype,
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpus": os.cpu_count(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "device": str(mx.default_device()),
+        "blas": blas,
+        "dtype": dtype,
         "versions": {n: ver(n) for n in ("mlx", "mlx-lm", "mlx-stream", "numpy")},
     }
 
@@ -332,7 +382,6 @@ def write_report(res: dict, out: str | Path) -> list[Path]:
     group, tokens/s distributions of both sides) for a :func:`summary` result extended
     with the run's settings; each file is written to a temporary name, then renamed.
     Returns the paths written."""
-    import os
 
     import matplotlib
 
@@ -348,20 +397,36 @@ def write_report(res: dict, out: str | Path) -> list[Path]:
     env = res.get("environment", {})
     ident = "n/a (sampled)" if res.get("identical") is None else f"{res['identical']}/{res['prompts']}"
     lines = [
-        "# mlx-stream bench", "",
+        "# mlx-stream bench",
+        "",
         f"- model `{res.get('model')}`, heads `{res.get('heads')}`, drafter `{res.get('drafter')}`, "
         f"tree `{res.get('tree')}`, dtype {res.get('dtype')}, max_tokens {res.get('max_tokens')}, "
         f"sampling {res.get('sampling') or 'greedy'}, prompt lookup {res.get('prompt_lookup', 'default')}",
-        *([f"- oracle ceiling: tau / c({res['oracle_ceiling']['tree_nodes']}) = x{res['oracle_ceiling']['ceiling']:.2f}; "
-           f"measured x{res['median_speedup']:.2f}: loop overhead {100 * res['oracle_ceiling']['loop_overhead']:.0f}%"]
-          if res.get("oracle_ceiling") else []),
-        *([f"- tree auto chose `{res['tree_auto']['tree']}`: expected (heads only, held-out data) tau "
-           f"{res['tree_auto']['tau']:.2f}, cost {res['tree_auto']['cost']:.2f}, speedup bound "
-           f"x{res['tree_auto']['speedup_bound']:.2f}; measured here: median tau {res['median_tau']:.2f}, "
-           f"median speedup x{res['median_speedup']:.2f}"] if res.get("tree_auto") else []),
-        f"- machine: {env.get('machine')}, {env.get('cpus')} CPUs, {env.get('os')}; device {env.get('device')}; "
+        *(
+            [
+                f"- oracle ceiling: tau / c({res['oracle_ceiling']['tree_nodes']}) = "
+                f"x{res['oracle_ceiling']['ceiling']:.2f}; measured x{res['median_speedup']:.2f}: "
+                f"loop overhead {100 * res['oracle_ceiling']['loop_overhead']:.0f}%"
+            ]
+            if res.get("oracle_ceiling")
+            else []
+        ),
+        *(
+            [
+                f"- tree auto chose `{res['tree_auto']['tree']}`: expected (heads only, held-out data) tau "
+                f"{res['tree_auto']['tau']:.2f}, cost {res['tree_auto']['cost']:.2f}, speedup bound "
+                f"x{res['tree_auto']['speedup_bound']:.2f}; "
+                f"measured here: median tau {res['median_tau']:.2f}, "
+                f"median speedup x{res['median_speedup']:.2f}"
+            ]
+            if res.get("tree_auto")
+            else []
+        ),
+        f"- machine: {env.get('machine')}, {env.get('cpus')} CPUs, {env.get('os')}; "
+        f"device {env.get('device')}; "
         f"BLAS {env.get('blas')}; versions {env.get('versions')}",
-        f"- command: `{res.get('command', '')}`", "",
+        f"- command: `{res.get('command', '')}`",
+        "",
         "| | prompts | speedup (median) | tau (median) | plain tok/s | mlx-stream tok/s | identical |",
         "|---|---|---|---|---|---|---|",
         f"| all | {res['prompts']} | {res['median_speedup']:.2f}x | {res['median_tau']:.2f} | "
@@ -369,14 +434,21 @@ def write_report(res: dict, out: str | Path) -> list[Path]:
     ]
     for g, v in res.get("per_group", {}).items():
         gi = "n/a" if v.get("identical") is None else f"{v['identical']}/{v['prompts']}"
-        lines.append(f"| {g} | {v['prompts']} | {v['median_speedup']:.2f}x | {v['median_tau']:.2f} | "
-                     f"{v['median_plain_tps']:.1f} | {v['median_spec_tps']:.1f} | {gi} |")
+        lines.append(
+            f"| {g} | {v['prompts']} | {v['median_speedup']:.2f}x | {v['median_tau']:.2f} | "
+            f"{v['median_plain_tps']:.1f} | {v['median_spec_tps']:.1f} | {gi} |"
+        )
     if "forward_cost" in res:
-        lines += ["", "c(N), an N-token forward relative to a 1-token one: "
-                  + ", ".join(f"{k}: {v:.2f}" for k, v in res["forward_cost"].items() if k != "t1_ms")]
+        lines += [
+            "",
+            "c(N), an N-token forward relative to a 1-token one: "
+            + ", ".join(f"{k}: {v:.2f}" for k, v in res["forward_cost"].items() if k != "t1_ms"),
+        ]
     lines += ["", "![tau and speedup](report.png)", ""]
-    written = [put("report.json", lambda p: p.write_text(json.dumps(res, indent=2))),
-               put("report.md", lambda p: p.write_text("\n".join(lines)))]
+    written = [
+        put("report.json", lambda p: p.write_text(json.dumps(res, indent=2))),
+        put("report.md", lambda p: p.write_text("\n".join(lines))),
+    ]
 
     groups = res.get("per_group") or {"all": res}
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))

@@ -8,7 +8,7 @@ exactly the emitted prefix (minus the newest token, which is the next root).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache

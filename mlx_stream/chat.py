@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from .generate import GenerationResponse, PromptCache, stream_generate
 
@@ -55,8 +55,13 @@ class ChatSession:
         reply: list[str] = []
         failed = False
         try:
-            for r in stream_generate(self.model, self.tokenizer, self.prompt(), prompt_cache=self.cache,
-                                     **(self.generation | overrides)):
+            for r in stream_generate(
+                self.model,
+                self.tokenizer,
+                self.prompt(),
+                prompt_cache=self.cache,
+                **(self.generation | overrides),
+            ):
                 reply.append(r.text)
                 yield r
         except ValueError:

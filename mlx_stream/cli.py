@@ -15,11 +15,17 @@ import json
 import sys
 import typing
 from dataclasses import dataclass
-from typing import Optional
 
 import typer
 
-from mlx_stream.defaults import AUTO_TREE, CHAT_MAX_TOKENS, DEFAULT_HEADS, DEFAULT_MODEL, NO_HEADS, PROMPT_LOOKUP
+from mlx_stream.defaults import (
+    AUTO_TREE,
+    CHAT_MAX_TOKENS,
+    DEFAULT_HEADS,
+    DEFAULT_MODEL,
+    NO_HEADS,
+    PROMPT_LOOKUP,
+)
 from mlx_stream.train.config import TrainConfig
 
 app = typer.Typer(
@@ -29,27 +35,35 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-_MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, mlx-lm folder, .gguf file or Hugging Face repo id.")
+_MODEL = typer.Option(
+    DEFAULT_MODEL, "--model", "-m", help="Alias, mlx-lm folder, .gguf file or Hugging Face repo id."
+)
 _HEADS = typer.Option(
-    DEFAULT_HEADS, "--heads",
-    help=f"Heads folder; '{DEFAULT_HEADS}' = the heads shipped for the model if any, '{NO_HEADS}' = plain decoding.",
+    DEFAULT_HEADS,
+    "--heads",
+    help=f"Heads folder; '{DEFAULT_HEADS}' = the heads shipped for the model if any, "
+    f"'{NO_HEADS}' = plain decoding.",
 )
 _TREE = typer.Option(
-    None, "--tree",
+    None,
+    "--tree",
     help=f"Draft tree: '{AUTO_TREE}' (the heads' candidate that is fastest on this device, measured once), "
-         "'sparse', 'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'. Default: the tree stored "
-         "with the heads.",
+    "'sparse', 'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'. Default: the tree stored "
+    "with the heads.",
 )
 _LOOKUP = typer.Option(
-    None, "--prompt-lookup",
+    None,
+    "--prompt-lookup",
     help="Most tokens drafted per step by prompt lookup (copying what followed the context's longest "
-         f"repeated suffix, 2 to 6 tokens) on top of the heads' tree; 0 turns it off. Default: {PROMPT_LOOKUP} "
-         "with heads, 0 without.",
+    f"repeated suffix, 2 to 6 tokens) on top of the heads' tree; 0 turns it off. Default: {PROMPT_LOOKUP} "
+    "with heads, 0 without.",
 )
 _TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
 _TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]; 1 disables it.")
 _TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 disables it.")
-_MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top token's probability; 0 disables it.")
+_MIN_P = typer.Option(
+    0.0, "--min-p", help="Drop tokens below min_p x the top token's probability; 0 disables it."
+)
 _DTYPE = typer.Option("auto", "--dtype", help="auto | float32 | float16 | bfloat16 | quantized")
 _PER_GROUP = ("--per-group", "--per-category")
 
@@ -66,11 +80,11 @@ class DecodeOptions:
     top_p: float
     top_k: int
     min_p: float
-    repetition_penalty: Optional[float]
-    seed: Optional[int]
-    tree: Optional[str]
-    prompt_lookup: Optional[int]
-    system: Optional[str]
+    repetition_penalty: float | None
+    seed: int | None
+    tree: str | None
+    prompt_lookup: int | None
+    system: str | None
 
     def generation(self, max_tokens: int) -> dict:
         """Keyword arguments of :func:`mlx_stream.stream_generate`, checked before anything
@@ -79,14 +93,26 @@ class DecodeOptions:
         from mlx_stream.sampling import SamplingParams, make_processors
 
         try:
-            check_generation(max_tokens, SamplingParams(self.temp, self.top_p, self.top_k, self.min_p),
-                             tree=self.tree, prompt_lookup=self.prompt_lookup)
+            check_generation(
+                max_tokens,
+                SamplingParams(self.temp, self.top_p, self.top_k, self.min_p),
+                tree=self.tree,
+                prompt_lookup=self.prompt_lookup,
+            )
             processors = make_processors(self.repetition_penalty)
         except ValueError as e:
             _fail(str(e))
-        return {"max_tokens": max_tokens, "temp": self.temp, "top_p": self.top_p, "top_k": self.top_k,
-                "min_p": self.min_p, "seed": self.seed, "tree": self.tree, "prompt_lookup": self.prompt_lookup,
-                "logits_processors": processors}
+        return {
+            "max_tokens": max_tokens,
+            "temp": self.temp,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "tree": self.tree,
+            "prompt_lookup": self.prompt_lookup,
+            "logits_processors": processors,
+        }
 
     def load(self):
         """``(model, tokenizer)``; exit 2 with one line when they cannot be loaded."""
@@ -100,18 +126,34 @@ def _option(name: str, annotation, default) -> inspect.Parameter:
 _DECODE_OPTIONS = [
     _option("model", str, _MODEL),
     _option("heads", str, _HEADS),
-    _option("no_heads", bool, typer.Option(False, "--no-heads", help="Decode plainly (one token per forward pass).")),
+    _option(
+        "no_heads",
+        bool,
+        typer.Option(False, "--no-heads", help="Decode plainly (one token per forward pass)."),
+    ),
     _option("temp", float, _TEMP),
     _option("top_p", float, _TOP_P),
     _option("top_k", int, _TOP_K),
     _option("min_p", float, _MIN_P),
-    _option("repetition_penalty", Optional[float], typer.Option(
-        None, "--repetition-penalty", help="mlx-lm's repetition penalty (> 0; 1 = none) over the last 20 tokens.")),
-    _option("seed", Optional[int], typer.Option(
-        None, "--seed", help="Seed for sampling: same seed and settings, same output.")),
-    _option("tree", Optional[str], _TREE),
-    _option("prompt_lookup", Optional[int], _LOOKUP),
-    _option("system", Optional[str], typer.Option(None, "--system", help="System prompt for the chat template.")),
+    _option(
+        "repetition_penalty",
+        float | None,
+        typer.Option(
+            None,
+            "--repetition-penalty",
+            help="mlx-lm's repetition penalty (> 0; 1 = none) over the last 20 tokens.",
+        ),
+    ),
+    _option(
+        "seed",
+        int | None,
+        typer.Option(None, "--seed", help="Seed for sampling: same seed and settings, same output."),
+    ),
+    _option("tree", str | None, _TREE),
+    _option("prompt_lookup", int | None, _LOOKUP),
+    _option(
+        "system", str | None, typer.Option(None, "--system", help="System prompt for the chat template.")
+    ),
     _option("dtype", str, _DTYPE),
 ]
 
@@ -120,8 +162,11 @@ def _decode_options(command):
     """Give ``command(opts: DecodeOptions, **own)`` the shared decoding options as its own
     command-line options (typer reads the signature set here)."""
     hints = typing.get_type_hints(command)  # this module's annotations are strings (__future__)
-    own = [p.replace(annotation=hints[p.name]) for p in inspect.signature(command).parameters.values()
-           if p.name != "opts"]
+    own = [
+        p.replace(annotation=hints[p.name])
+        for p in inspect.signature(command).parameters.values()
+        if p.name != "opts"
+    ]
     names = [p.name for p in _DECODE_OPTIONS]
 
     @functools.wraps(command)
@@ -178,7 +223,9 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
-    logprobs: bool = typer.Option(False, "--logprobs", help="With --json: each token's log-probability (as mlx-lm reports it)."),
+    logprobs: bool = typer.Option(
+        False, "--logprobs", help="With --json: each token's log-probability (as mlx-lm reports it)."
+    ),
 ):
     """Generate a completion for one prompt."""
     from mlx_stream.generate import stream_generate
@@ -190,7 +237,9 @@ def generate(
     m, tok = opts.load()
     text = prompt
     if not raw and tok.chat_template is not None:
-        msgs = ([{"role": "system", "content": opts.system}] if opts.system else []) + [{"role": "user", "content": prompt}]
+        msgs = ([{"role": "system", "content": opts.system}] if opts.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     pieces, tokens, lps, last = [], [], [], None
     try:
@@ -205,13 +254,24 @@ def generate(
     if not as_json:
         typer.echo("\n" + _stats(last), err=True)
         return
-    typer.echo(json.dumps({
-        "text": "".join(pieces), "tokens": tokens, "finish_reason": last.finish_reason,
-        "prompt_tokens": last.prompt_tokens, "generation_tokens": last.generation_tokens,
-        "forward_passes": last.forward_passes, "tau": round(last.tau, 4),
-        "prompt_tps": round(last.prompt_tps, 2), "generation_tps": round(last.generation_tps, 2),
-        "peak_memory_gb": round(last.peak_memory, 4), "heads": m.heads is not None,
-    } | ({"logprobs": lps} if logprobs else {})))
+    typer.echo(
+        json.dumps(
+            {
+                "text": "".join(pieces),
+                "tokens": tokens,
+                "finish_reason": last.finish_reason,
+                "prompt_tokens": last.prompt_tokens,
+                "generation_tokens": last.generation_tokens,
+                "forward_passes": last.forward_passes,
+                "tau": round(last.tau, 4),
+                "prompt_tps": round(last.prompt_tps, 2),
+                "generation_tps": round(last.generation_tps, 2),
+                "peak_memory_gb": round(last.peak_memory, 4),
+                "heads": m.heads is not None,
+            }
+            | ({"logprobs": lps} if logprobs else {})
+        )
+    )
 
 
 @app.command()
@@ -238,13 +298,23 @@ def chat(
 
 @app.command()
 def convert(
-    src: str = typer.Argument(..., help="A Hugging Face checkpoint folder (Llama 2 or OPT) or a llama-architecture .gguf file."),
+    src: str = typer.Argument(
+        ..., help="A Hugging Face checkpoint folder (Llama 2 or OPT) or a llama-architecture .gguf file."
+    ),
     out: str = typer.Option(..., "--out", "-o", help="Output folder (must not exist or be empty)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="HF checkpoints: float32 | float16 | bfloat16 (default: as stored)."),
-    quantize: bool = typer.Option(False, "--quantize", "-q", help="HF checkpoints: quantise the weights (mlx-lm affine)."),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="HF checkpoints: float32 | float16 | bfloat16 (default: as stored)."
+    ),
+    quantize: bool = typer.Option(
+        False, "--quantize", "-q", help="HF checkpoints: quantise the weights (mlx-lm affine)."
+    ),
     q_bits: int = typer.Option(4, "--q-bits", help="Bits per weight when quantising: 4 or 8."),
-    q_group_size: int = typer.Option(64, "--q-group-size", help="Weights per quantisation group: 32, 64 or 128."),
-    dequantize: bool = typer.Option(False, "--dequantize", help="GGUF: store float32 weights instead of quantised ones."),
+    q_group_size: int = typer.Option(
+        64, "--q-group-size", help="Weights per quantisation group: 32, 64 or 128."
+    ),
+    dequantize: bool = typer.Option(
+        False, "--dequantize", help="GGUF: store float32 weights instead of quantised ones."
+    ),
 ):
     """Convert a checkpoint into an mlx-lm model folder (loadable by mlx_lm.load and mlx-stream)."""
     from pathlib import Path
@@ -255,11 +325,15 @@ def convert(
     try:
         if src.endswith(".gguf"):
             if quantize or dtype:
-                raise ValueError("--quantize and --dtype apply to Hugging Face checkpoints; a GGUF keeps its own "
-                                 "types (--dequantize gives float32)")
+                raise ValueError(
+                    "--quantize and --dtype apply to Hugging Face checkpoints; a GGUF keeps its own "
+                    "types (--dequantize gives float32)"
+                )
             path = convert_gguf(src, out, dequantize=dequantize)
         elif Path(src).is_dir():
-            path = convert_hf(src, out, dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size)
+            path = convert_hf(
+                src, out, dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size
+            )
         else:
             raise ValueError(f"{src}: expected a Hugging Face checkpoint folder or a .gguf file")
     except (ValueError, FileNotFoundError) as e:
@@ -271,20 +345,33 @@ def convert(
 def bench(
     model: str = _MODEL,
     heads: str = _HEADS,
-    drafter: str = typer.Option("heads", "--drafter", help="heads | oracle (drafts the target's own output: the loop's ceiling)"),
-    prompts: str = typer.Option("builtin", "--prompts", help="A jsonl file ('prompt', Spec-Bench 'turns' or 'messages'), 'builtin', or 'spec-bench' (the Spec-Bench copy shipped with the package, --per-group from each task group)."),
+    drafter: str = typer.Option(
+        "heads", "--drafter", help="heads | oracle (drafts the target's own output: the loop's ceiling)"
+    ),
+    prompts: str = typer.Option(
+        "builtin",
+        "--prompts",
+        help="A jsonl file ('prompt', Spec-Bench 'turns' or 'messages'), 'builtin', or 'spec-bench' "
+        "(the Spec-Bench copy shipped with the package, --per-group from each task group).",
+    ),
     limit: int = typer.Option(8, "--limit", "-n", help="How many prompts."),
-    per_group: int = typer.Option(8, *_PER_GROUP, help="With --prompts spec-bench: the first N questions of each of the 6 task groups (categories)."),
+    per_group: int = typer.Option(
+        8,
+        *_PER_GROUP,
+        help="With --prompts spec-bench: the first N questions of each of the 6 task groups (categories).",
+    ),
     max_tokens: int = typer.Option(128, "--max-tokens"),
-    tree: Optional[str] = _TREE,
-    prompt_lookup: Optional[int] = _LOOKUP,
+    tree: str | None = _TREE,
+    prompt_lookup: int | None = _LOOKUP,
     dtype: str = _DTYPE,
     temp: float = _TEMP,
     top_p: float = _TOP_P,
     top_k: int = _TOP_K,
     min_p: float = _MIN_P,
     seed: int = typer.Option(0, "--seed", help="Prompt i is sampled with seed + i (both sides)."),
-    out: Optional[str] = typer.Option(None, "--out", help="Write report.json, report.md and report.png into this folder."),
+    out: str | None = typer.Option(
+        None, "--out", help="Write report.json, report.md and report.png into this folder."
+    ),
 ):
     """Side-by-side against plain mlx-lm (same weights, one process, interleaved);
     greedy by default (identity checked), or sampled with the same settings."""
@@ -311,8 +398,14 @@ def bench(
     m, tok = _load(model, NO_HEADS if oracle else heads, dtype)
     if not oracle and m.heads is None:
         typer.echo("note: no heads loaded; this measures plain decoding through the loop", err=True)
-    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
+    with Progress(
+        TextColumn("bench"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
         task = bar.add_task("bench", total=len(texts))
 
         def show(r):
@@ -320,28 +413,54 @@ def bench(
                 f"prompt {r.prompt:3d}: {r.tokens:4d} tokens  plain {r.plain_tps:6.1f} tok/s  "
                 f"mlx-stream {r.spec_tps:6.1f} tok/s  x{r.speedup:.2f}  tau {r.tau:.2f}  "
                 f"{'sampled' if r.identical is None else 'identical' if r.identical else 'DIFFERENT'}",
-                highlight=False)
+                highlight=False,
+            )
             bar.advance(task)
 
         try:
-            res = side_by_side(m, tok, texts, Decoding(max_tokens, tree, prompt_lookup, sampling), groups,
-                               oracle=oracle, seed=seed, log=bar.console.print, progress=show)
+            res = side_by_side(
+                m,
+                tok,
+                texts,
+                Decoding(max_tokens, tree, prompt_lookup, sampling),
+                groups,
+                oracle=oracle,
+                seed=seed,
+                log=bar.console.print,
+                progress=show,
+            )
         except ValueError as e:
             _fail(str(e))
-    res |= {"model": model, "heads": heads if m.heads is not None else None, "drafter": drafter,
-            "prompt_lookup": prompt_lookup, "dtype": dtype, "max_tokens": max_tokens, "sampling": sampling,
-            "seed": seed, "command": "mlx-stream " + " ".join(sys.argv[1:]), "environment": environment(dtype)}
+    res |= {
+        "model": model,
+        "heads": heads if m.heads is not None else None,
+        "drafter": drafter,
+        "prompt_lookup": prompt_lookup,
+        "dtype": dtype,
+        "max_tokens": max_tokens,
+        "sampling": sampling,
+        "seed": seed,
+        "command": "mlx-stream " + " ".join(sys.argv[1:]),
+        "environment": environment(dtype),
+    }
     ident = res["identical"] if res["identical"] is not None else "n/a"
-    typer.echo(f"median speedup x{res['median_speedup']:.2f}, median tau {res['median_tau']:.2f}, "
-               f"identical {ident}/{res['prompts']}, plain {res['median_plain_tps']:.1f} tok/s, "
-               f"mlx-stream {res['median_spec_tps']:.1f} tok/s")
+    typer.echo(
+        f"median speedup x{res['median_speedup']:.2f}, median tau {res['median_tau']:.2f}, "
+        f"identical {ident}/{res['prompts']}, plain {res['median_plain_tps']:.1f} tok/s, "
+        f"mlx-stream {res['median_spec_tps']:.1f} tok/s"
+    )
     for g, v in res.get("per_group", {}).items():
-        typer.echo(f"  {g:16s} speedup x{v['median_speedup']:.2f}  tau {v['median_tau']:.2f}  ({v['prompts']} prompts)")
+        typer.echo(
+            f"  {g:16s} speedup x{v['median_speedup']:.2f}  tau {v['median_tau']:.2f}  "
+            f"({v['prompts']} prompts)"
+        )
     if "oracle_ceiling" in res:
         oc = res["oracle_ceiling"]
-        typer.echo(f"oracle ceiling tau / c({oc['tree_nodes']}) = {res['median_tau']:.2f} / {oc['c']:.2f} = "
-                   f"x{oc['ceiling']:.2f}; measured x{res['median_speedup']:.2f}: loop overhead "
-                   f"{100 * oc['loop_overhead']:.0f}% (prefill included)")
+        typer.echo(
+            f"oracle ceiling tau / c({oc['tree_nodes']}) = {res['median_tau']:.2f} / {oc['c']:.2f} = "
+            f"x{oc['ceiling']:.2f}; measured x{res['median_speedup']:.2f}: loop overhead "
+            f"{100 * oc['loop_overhead']:.0f}% (prefill included)"
+        )
     if out:
         try:
             paths = write_report(res, out)
@@ -355,53 +474,99 @@ _TC = TrainConfig()  # the training defaults (TrainConfig validates what the opt
 
 @app.command()
 def train(
-    out: str = typer.Option(..., "--out", "-o", help="Run folder: data, features, checkpoint, heads, report.json."),
+    out: str = typer.Option(
+        ..., "--out", "-o", help="Run folder: data, features, checkpoint, heads, report.json."
+    ),
     model: str = _MODEL,
-    data: Optional[str] = typer.Option(None, "--data", help="Prompts/dataset jsonl (mlx-lm formats); default: Magpie prompts."),
-    synthesize: int = typer.Option(512, "--synthesize", help="Self-synthesised prompts when --data is not given."),
-    distill: bool = typer.Option(True, "--distill/--no-distill", help="Let the backbone write the completions (default)."),
+    data: str | None = typer.Option(
+        None, "--data", help="Prompts/dataset jsonl (mlx-lm formats); default: Magpie prompts."
+    ),
+    synthesize: int = typer.Option(
+        512, "--synthesize", help="Self-synthesised prompts when --data is not given."
+    ),
+    distill: bool = typer.Option(
+        True, "--distill/--no-distill", help="Let the backbone write the completions (default)."
+    ),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Completion length for self-distillation."),
     workers: int = typer.Option(1, "--workers", help="Self-distillation processes (2 suits a 2-core CPU)."),
-    gen_batch_size: int = typer.Option(32, "--gen-batch-size", help="Sequences generated together per process."),
+    gen_batch_size: int = typer.Option(
+        32, "--gen-batch-size", help="Sequences generated together per process."
+    ),
     num_heads: int = typer.Option(_TC.num_heads, "--num-heads", "-k", help="Stream heads K."),
     architecture: str = typer.Option("hydra", "--architecture", help="Head architecture: hydra or residual."),
     num_layers: int = typer.Option(_TC.num_layers, "--num-layers", help="Blocks per head."),
-    draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Tokens the heads score (most frequent); 0 = all."),
+    draft_vocab: int = typer.Option(
+        8192, "--draft-vocab", help="Tokens the heads score (most frequent); 0 = all."
+    ),
     epochs: float = typer.Option(_TC.epochs, "--epochs"),
-    batch_size: int = typer.Option(_TC.batch_size, "--batch-size", help="Positions (tokens) per micro-batch."),
+    batch_size: int = typer.Option(
+        _TC.batch_size, "--batch-size", help="Positions (tokens) per micro-batch."
+    ),
     grad_accum: int = typer.Option(_TC.grad_accum, "--grad-accum"),
     lr: float = typer.Option(_TC.lr, "--lr"),
-    kl_weight: float = typer.Option(_TC.kl_weight, "--kl-weight", help="Weight of the KL to the backbone's distribution (soft targets)."),
-    head_decay: float = typer.Option(_TC.head_decay, "--head-decay", help="Loss weight of head j is head_decay**(j-1)."),
+    kl_weight: float = typer.Option(
+        _TC.kl_weight, "--kl-weight", help="Weight of the KL to the backbone's distribution (soft targets)."
+    ),
+    head_decay: float = typer.Option(
+        _TC.head_decay, "--head-decay", help="Loss weight of head j is head_decay**(j-1)."
+    ),
     warmup: int = typer.Option(_TC.warmup, "--warmup", help="Warm-up optimizer steps."),
     checkpoint_every: int = typer.Option(_TC.checkpoint_every, "--checkpoint-every"),
     seed: int = typer.Option(_TC.seed, "--seed"),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out where it stopped."),
-    tune: bool = typer.Option(True, "--tune/--no-tune", help="Store the draft tree that is fastest on this machine with the heads."),
+    tune: bool = typer.Option(
+        True, "--tune/--no-tune", help="Store the draft tree that is fastest on this machine with the heads."
+    ),
 ):
     """Train stream heads against the frozen backbone."""
     from mlx_stream.train.pipeline import check_run_settings, run
 
     try:
-        cfg = TrainConfig(num_heads=num_heads, num_layers=num_layers, epochs=epochs, kl_weight=kl_weight,
-                          head_decay=head_decay, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
-                          warmup=warmup, checkpoint_every=checkpoint_every, seed=seed)
-        settings = {"max_tokens": max_tokens, "workers": workers, "gen_batch_size": gen_batch_size,
-                    "draft_vocab": draft_vocab, "architecture": architecture}
+        cfg = TrainConfig(
+            num_heads=num_heads,
+            num_layers=num_layers,
+            epochs=epochs,
+            kl_weight=kl_weight,
+            head_decay=head_decay,
+            batch_size=batch_size,
+            grad_accum=grad_accum,
+            lr=lr,
+            warmup=warmup,
+            checkpoint_every=checkpoint_every,
+            seed=seed,
+        )
+        settings = {
+            "max_tokens": max_tokens,
+            "workers": workers,
+            "gen_batch_size": gen_batch_size,
+            "draft_vocab": draft_vocab,
+            "architecture": architecture,
+        }
         check_run_settings(**settings)
     except ValueError as e:
         _fail(str(e))
     _check_out(out, folder=True)
     _blas_hint()
     try:
-        report = run(model, out, cfg, data=data, synthesize=synthesize, distill=distill, resume=resume, tune=tune,
-                     **settings)
+        report = run(
+            model,
+            out,
+            cfg,
+            data=data,
+            synthesize=synthesize,
+            distill=distill,
+            resume=resume,
+            tune=tune,
+            **settings,
+        )
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
     except OSError as e:
         _fail(f"{e.filename or out}: {e.strerror or e}")
     v = report.get("valid", {})
-    typer.echo(f"heads: {out}/heads  top-1 {v.get('top1')}  top-5 {v.get('top5')}  implied tau {v.get('tau')}")
+    typer.echo(
+        f"heads: {out}/heads  top-1 {v.get('top1')}  top-5 {v.get('top5')}  implied tau {v.get('tau')}"
+    )
 
 
 @app.command("eval-heads")
@@ -409,15 +574,18 @@ def eval_heads(
     model: str = _MODEL,
     heads: str = _HEADS,
     prompts: str = typer.Option(
-        "spec-bench", "--prompts",
+        "spec-bench",
+        "--prompts",
         help="A Spec-Bench question.jsonl, or 'spec-bench' for the copy shipped with the package.",
     ),
-    per_group: Optional[int] = typer.Option(None, *_PER_GROUP, help="First N questions of each task group (category)."),
+    per_group: int | None = typer.Option(
+        None, *_PER_GROUP, help="First N questions of each task group (category)."
+    ),
     max_tokens: int = typer.Option(128, "--max-tokens"),
-    tree: Optional[str] = _TREE,
-    prompt_lookup: Optional[int] = _LOOKUP,
+    tree: str | None = _TREE,
+    prompt_lookup: int | None = _LOOKUP,
     dtype: str = _DTYPE,
-    out: Optional[str] = typer.Option(None, "--out", help="Write the result as JSON to this file."),
+    out: str | None = typer.Option(None, "--out", help="Write the result as JSON to this file."),
     workers: int = typer.Option(1, "--workers", help="Decoding processes (2 suits a 2-core CPU)."),
 ):
     """Greedy decoding over Spec-Bench first turns: tau overall, per task group and per category."""
@@ -448,8 +616,13 @@ def eval_heads(
         except RuntimeError as e:
             _fail(str(e))
     else:
-        res = tau_by_category(m, tok, items, decoding,
-                              progress=lambda k, s: typer.echo(f"{k}/{len(items)}  tau so far {s['tau']:.3f}", err=True))
+        res = tau_by_category(
+            m,
+            tok,
+            items,
+            decoding,
+            progress=lambda k, s: typer.echo(f"{k}/{len(items)}  tau so far {s['tau']:.3f}", err=True),
+        )
     for key, v in res.items():
         typer.echo(f"{key:28s} tau {v['tau']:.3f}  ({v['prompts']} prompts)")
     if out:

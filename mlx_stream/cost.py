@@ -14,7 +14,9 @@ from .drafters import HeadsDrafter
 from .tree import chain
 
 
-def forward_cost(model, sizes: Sequence[int] = (1, 2, 4, 8, 16), context: int = 256, repeats: int = 10) -> dict:
+def forward_cost(
+    model, sizes: Sequence[int] = (1, 2, 4, 8, 16), context: int = 256, repeats: int = 10
+) -> dict:
     """c(N): the time of an N-token tree forward relative to a 1-token forward, at a
     cached context of ``context`` tokens.
 
@@ -39,7 +41,9 @@ def forward_cost(model, sizes: Sequence[int] = (1, 2, 4, 8, 16), context: int = 
             if n > 1:
                 mask = mx.concatenate([mx.ones((n, context), dtype=mx.bool_), mx.array(t.mask)], axis=1)
             tic = time.perf_counter()
-            h, _ = fam.tree_hidden(bb, mx.zeros((n,), dtype=mx.int32), mx.array(context + t.depths), mask, cache)
+            h, _ = fam.tree_hidden(
+                bb, mx.zeros((n,), dtype=mx.int32), mx.array(context + t.depths), mask, cache
+            )
             mx.eval(fam.project(bb, h))
             if r:  # the first round warms up
                 runs[n].append(time.perf_counter() - tic)

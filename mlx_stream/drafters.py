@@ -9,7 +9,8 @@ separate draft model later) use the emitted tokens instead.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 
@@ -28,8 +29,9 @@ class Drafter(Protocol):
     tree: Tree
     capture: int | None
 
-    def draft(self, hidden: mx.array, tokens: Sequence[int], mid: mx.array | None = None,
-              cache=None) -> mx.array:
+    def draft(
+        self, hidden: mx.array, tokens: Sequence[int], mid: mx.array | None = None, cache=None
+    ) -> mx.array:
         """Tokens for the tree's non-root nodes.
 
         Args:
@@ -55,8 +57,9 @@ class TreeProposer(Protocol):
     (:func:`propose`); :class:`LookupDrafter` is one.
     """
 
-    def propose(self, hidden: mx.array, tokens: Sequence[int], max_depth: int, mid=None, cache=None,
-                base: bool = True) -> tuple[Tree, mx.array]:
+    def propose(
+        self, hidden: mx.array, tokens: Sequence[int], max_depth: int, mid=None, cache=None, base: bool = True
+    ) -> tuple[Tree, mx.array]:
         """This step's tree (at most ``max_depth`` deep; ``base=False``: without the
         static tree) and its ``(N - 1,)`` int32 drafts in node order, lazy (no host sync)."""
         ...
@@ -68,8 +71,7 @@ class AcceptanceObserver(Protocol):
     reports the verified tree, its ``N`` node tokens (root first) and the tokens the step
     emitted (the accepted drafts, then the target's next token)."""
 
-    def observe(self, tree: Tree, tokens: Sequence[int], emitted: Sequence[int]) -> None:
-        ...
+    def observe(self, tree: Tree, tokens: Sequence[int], emitted: Sequence[int]) -> None: ...
 
 
 class NoDrafter:
@@ -143,12 +145,14 @@ class HeadsDrafter:
         for d, k in enumerate(tree.topk(), start=1):
             nodes = [i for i in range(tree.size) if tree.depths[i] == d]
             parents = sorted({int(tree.parents[i]) for i in nodes})
-            levels.append((
-                k,
-                mx.array([prev.index(p) for p in parents], dtype=mx.int32),
-                mx.array([parents.index(int(tree.parents[i])) for i in nodes], dtype=mx.int32),
-                mx.array([int(tree.ranks[i]) for i in nodes], dtype=mx.int32),
-            ))
+            levels.append(
+                (
+                    k,
+                    mx.array([prev.index(p) for p in parents], dtype=mx.int32),
+                    mx.array([parents.index(int(tree.parents[i])) for i in nodes], dtype=mx.int32),
+                    mx.array([int(tree.ranks[i]) for i in nodes], dtype=mx.int32),
+                )
+            )
             prev = nodes
         return levels
 
@@ -199,8 +203,9 @@ class OracleDrafter:
         wrong: draft a wrong token at every depth.
     """
 
-    def __init__(self, prompt_len: int, continuation: Sequence[int], tree: Tree, vocab_size: int,
-                 wrong: bool = False):
+    def __init__(
+        self, prompt_len: int, continuation: Sequence[int], tree: Tree, vocab_size: int, wrong: bool = False
+    ):
         self.prompt_len = prompt_len
         self.continuation = list(continuation)
         self.tree = tree
@@ -260,11 +265,22 @@ class LookupDrafter:
         ValueError: bad lengths.
     """
 
-    def __init__(self, base, num_draft: int = 10, max_ngram: int = 6, min_ngram: int = 2,
-                 min_accept: float = 0.1, explore_every: int = 16, decay: float = 0.25, prior: float = 0.25):
+    def __init__(
+        self,
+        base,
+        num_draft: int = 10,
+        max_ngram: int = 6,
+        min_ngram: int = 2,
+        min_accept: float = 0.1,
+        explore_every: int = 16,
+        decay: float = 0.25,
+        prior: float = 0.25,
+    ):
         if num_draft < 1 or min_ngram < 1 or max_ngram < min_ngram:
-            raise ValueError(f"prompt lookup needs num_draft >= 1 and 1 <= min_ngram <= max_ngram, "
-                             f"got {num_draft}, {min_ngram}, {max_ngram}")
+            raise ValueError(
+                f"prompt lookup needs num_draft >= 1 and 1 <= min_ngram <= max_ngram, "
+                f"got {num_draft}, {min_ngram}, {max_ngram}"
+            )
         self.base = base
         self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
         self.min_accept, self.explore_every, self.decay = min_accept, max(explore_every, 1), decay
@@ -307,8 +323,9 @@ class LookupDrafter:
         """The base drafter's static tree (the part drafted every step)."""
         return self.base.tree
 
-    def propose(self, hidden, tokens, max_depth: int, mid=None, cache=None,
-                base: bool = True) -> tuple[Tree, mx.array]:
+    def propose(
+        self, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True
+    ) -> tuple[Tree, mx.array]:
         """The step's tree and its ``(N - 1,)`` drafts, at most ``max_depth`` deep;
         ``base=False`` leaves the base drafter's tree out (the lookup chain alone)."""
         from .lookup import append_chain, prompt_lookup
@@ -328,8 +345,9 @@ class LookupDrafter:
         return merged, mx.concatenate([drafts, mx.array(chain_, dtype=mx.int32)])[take]
 
 
-def propose(drafter, hidden, tokens, max_depth: int, mid=None, cache=None,
-            base: bool = True) -> tuple[Tree, mx.array]:
+def propose(
+    drafter, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True
+) -> tuple[Tree, mx.array]:
     """One step's draft tree and tokens from any drafter, at most ``max_depth`` deep.
 
     A :class:`TreeProposer` (a tree that changes per step, like :class:`LookupDrafter`)

@@ -32,8 +32,12 @@ NO_REEXEC_ENV = "MLX_STREAM_NO_REEXEC"
 
 
 class _DlInfo(ctypes.Structure):
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
 
 
 def _libdl():
@@ -89,8 +93,10 @@ def _exports(dl, path: str, symbol: str) -> bool:
 
 
 def _is_openblas(dl, path: str) -> bool:
-    return _exports(dl, path, "openblas_get_config") or "openblas" in os.path.basename(
-        os.path.realpath(path)).lower()
+    return (
+        _exports(dl, path, "openblas_get_config")
+        or "openblas" in os.path.basename(os.path.realpath(path)).lower()
+    )
 
 
 def mlx_blas() -> str | None:
@@ -161,8 +167,12 @@ def openblas_path() -> str | None:
         return None
     arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine())
     multiarch = f"/usr/lib/{arch}-linux-gnu"
-    for path in (f"{multiarch}/libopenblas.so.0", f"{multiarch}/openblas-pthread/libopenblas.so.0",
-                 "/usr/lib64/libopenblas.so.0", "/usr/lib/libopenblas.so.0"):
+    for path in (
+        f"{multiarch}/libopenblas.so.0",
+        f"{multiarch}/openblas-pthread/libopenblas.so.0",
+        "/usr/lib64/libopenblas.so.0",
+        "/usr/lib/libopenblas.so.0",
+    ):
         if os.path.exists(path):
             return path
     return None

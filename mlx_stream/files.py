@@ -100,5 +100,6 @@ def check_writable(path: str | Path, folder: bool) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ValueError(f"cannot write {'into ' if folder else ''}{p}: {e.strerror or e}; choose another --out") \
-            from e
+        raise ValueError(
+            f"cannot write {'into ' if folder else ''}{p}: {e.strerror or e}; choose another --out"
+        ) from e

@@ -10,8 +10,8 @@ accepted node, from which the stream heads draft the next tree (Bhendawade et al
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -111,8 +111,14 @@ def _encode(tokenizer, prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def check_generation(max_tokens: int, sampling: SamplingParams | float, vocab_size: int | None = None, *,
-                     tree=None, prompt_lookup: int | None = None) -> None:
+def check_generation(
+    max_tokens: int,
+    sampling: SamplingParams | float,
+    vocab_size: int | None = None,
+    *,
+    tree=None,
+    prompt_lookup: int | None = None,
+) -> None:
     """Check generation settings before any model is loaded or run.
 
     Args:
@@ -205,8 +211,13 @@ class _TreeVerifier:
     by (seed, position)); one host sync per call.
     """
 
-    def __init__(self, sampling: SamplingParams, processors: Sequence[LogitsProcessor], verifier: Callable,
-                 entropy: int):
+    def __init__(
+        self,
+        sampling: SamplingParams,
+        processors: Sequence[LogitsProcessor],
+        verifier: Callable,
+        entropy: int,
+    ):
         self.sampling, self.processors, self.verifier, self.entropy = sampling, processors, verifier, entropy
 
     def __call__(self, tree: Tree, node_tokens: mx.array, logits: mx.array, history: list[int]):
@@ -214,7 +225,9 @@ class _TreeVerifier:
         for the ``(N,)`` node tokens and their ``(N, V)`` logits after ``history``."""
         if self.processors:
             paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
-            logits = process_logits(self.processors, mx.array(history, dtype=mx.int32), node_tokens, paths, logits)
+            logits = process_logits(
+                self.processors, mx.array(history, dtype=mx.int32), node_tokens, paths, logits
+            )
         logprobs = log_softmax(logits)  # (N, V)
         if self.sampling.greedy:
             targets = mx.argmax(logits, axis=-1)
@@ -228,7 +241,9 @@ class _TreeVerifier:
         mx.eval(node_tokens, probs, logprobs)
         toks = node_tokens.tolist()
         # the token after a node of depth d lands at position len(history) + d
-        uniforms = [np.random.default_rng([self.entropy, len(history) + d]).random() for d in range(tree.depth + 1)]
+        uniforms = [
+            np.random.default_rng([self.entropy, len(history) + d]).random() for d in range(tree.depth + 1)
+        ]
         path, nxt = self.verifier(tree, toks, np.array(probs), uniforms)
         lp = np.array(logprobs)
         emitted = [toks[i] for i in path[1:]] + [nxt]
@@ -258,24 +273,40 @@ def _prefill(model, cache: PromptCache, ids: list[int], capture: int | None, ste
     reused = cache.reuse(ids)
     rest = ids[reused:]
     for i in range(0, len(rest), step_size):
-        h, mid = model.family.prefill_hidden(model.backbone, mx.array(rest[i : i + step_size]), cache.layers,
-                                             capture=capture)
+        h, mid = model.family.prefill_hidden(
+            model.backbone, mx.array(rest[i : i + step_size]), cache.layers, capture=capture
+        )
         hidden, mid = h[-1], (mid[-1] if mid is not None else None)
         mx.eval(hidden, [c.state for c in cache.layers])
     cache.tokens = list(ids)
     return hidden, mid, reused
 
 
-def _decode_step(model, cache: PromptCache, drafter: Drafter, verify: _TreeVerifier, tokens: list[int],
-                 last: _Step, depth: int, drafts_on: bool) -> _Step:
+def _decode_step(
+    model,
+    cache: PromptCache,
+    drafter: Drafter,
+    verify: _TreeVerifier,
+    tokens: list[int],
+    last: _Step,
+    depth: int,
+    drafts_on: bool,
+) -> _Step:
     # one backbone forward over the tree rooted at the last emitted token: verify the
     # drafts, keep the accepted path in the cache, and keep the states the next drafts read
     fam, backbone = model.family, model.backbone
     capture = getattr(drafter, "capture", None)
     start = cache_offset(cache.layers)  # == len(tokens) - 1: the root is not cached yet
     if depth >= 1:
-        tree, drafts = propose(drafter, last.hidden, tokens, depth, last.mid,
-                               cache.layers if capture is not None else None, base=drafts_on)
+        tree, drafts = propose(
+            drafter,
+            last.hidden,
+            tokens,
+            depth,
+            last.mid,
+            cache.layers if capture is not None else None,
+            base=drafts_on,
+        )
     else:
         tree, drafts = no_drafts(), mx.zeros((0,), dtype=mx.int32)
     node_tokens = mx.concatenate([mx.array([last.next_token], dtype=mx.int32), drafts.astype(mx.int32)])
@@ -376,8 +407,12 @@ def stream_generate(
     if adaptive is None:
         adaptive = drafter is None
     drafter = drafter if drafter is not None else make_drafter(model, tree, prompt_lookup)
-    verify = _TreeVerifier(sampling, list(logits_processors or []), verifier or verify_coupled,
-                           np.random.SeedSequence(seed).entropy)
+    verify = _TreeVerifier(
+        sampling,
+        list(logits_processors or []),
+        verifier or verify_coupled,
+        np.random.SeedSequence(seed).entropy,
+    )
     cache = prompt_cache if prompt_cache is not None else PromptCache(model)
     emitter = _Emitter(tokenizer, max_tokens, [stop] if isinstance(stop, str) else list(stop or []))
     policy = SpeculationPolicy() if adaptive and drafter.tree.size > 1 else None
@@ -386,8 +421,9 @@ def stream_generate(
     tic = time.perf_counter()
     hidden, mid, reused = _prefill(model, cache, ids, getattr(drafter, "capture", None), prefill_step_size)
     root = no_drafts()
-    path, y, _, lps = verify(root, mx.array([ids[-1]], dtype=mx.int32),
-                             model.family.project(model.backbone, hidden)[None], ids)
+    path, y, _, lps = verify(
+        root, mx.array([ids[-1]], dtype=mx.int32), model.family.project(model.backbone, hidden)[None], ids
+    )
     step = _Step(root, [ids[-1]], path, y, lps, hidden, mid)
     prompt_tps = (len(ids) - reused) / (time.perf_counter() - tic)
 
@@ -400,11 +436,20 @@ def stream_generate(
         delta, kept, reason = emitter.push(step.emitted, out_of_room=room is not None and room <= 0)
         elapsed = max(time.perf_counter() - tic, 1e-9)
         yield GenerationResponse(
-            text=delta, tokens=kept, accepted=len(step.path) - 1, prompt_tokens=len(ids), prompt_tps=prompt_tps,
-            generation_tokens=len(emitter.tokens), generation_tps=len(emitter.tokens) / elapsed,
-            forward_passes=n_fwd, peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
+            text=delta,
+            tokens=kept,
+            accepted=len(step.path) - 1,
+            prompt_tokens=len(ids),
+            prompt_tps=prompt_tps,
+            generation_tokens=len(emitter.tokens),
+            generation_tps=len(emitter.tokens) / elapsed,
+            forward_passes=n_fwd,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=reason,
             tau=(len(emitter.tokens) + emitter.eos_hit - 1) / n_fwd if n_fwd else 0.0,
-            logprobs=step.logprobs[: len(kept)], drafted=step.tree.size - 1, cached_tokens=reused,
+            logprobs=step.logprobs[: len(kept)],
+            drafted=step.tree.size - 1,
+            cached_tokens=reused,
         )
         if reason is not None:
             return

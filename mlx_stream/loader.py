@@ -150,7 +150,9 @@ def resolve_model_path(spec: str | Path) -> Path:
         try:
             return Path(_download(s))
         except Exception as e:  # the hub client raises many types (offline, 404, auth)
-            raise ValueError(f"could not fetch {s!r} from the Hugging Face Hub ({type(e).__name__}: {e})") from e
+            raise ValueError(
+                f"could not fetch {s!r} from the Hugging Face Hub ({type(e).__name__}: {e})"
+            ) from e
     raise ValueError(f"unknown model {s!r}; accepted: {_FORMS}")
 
 
@@ -191,8 +193,7 @@ def _load_backbone(path: Path):
     import json
 
     import mlx_lm
-    from mlx_lm.utils import load_tokenizer
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_model, load_tokenizer
 
     try:
         kind = json.loads((path / "config.json").read_text()).get("model_type")
@@ -226,8 +227,7 @@ def resolve_heads(model_spec: str | Path, heads):
     return heads
 
 
-def load(model: str | Path = DEFAULT_MODEL, heads: str | Path | nn.Module | None = None,
-         dtype: str = "auto"):
+def load(model: str | Path = DEFAULT_MODEL, heads: str | Path | nn.Module | None = None, dtype: str = "auto"):
     """Load a backbone and (optionally) its stream heads.
 
     Args:

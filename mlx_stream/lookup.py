@@ -13,14 +13,16 @@ Pure functions; :class:`~mlx_stream.drafters.LookupDrafter` uses them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from .tree import Tree, build_tree
 
 
-def match_suffix(tokens: Sequence[int] | np.ndarray, max_ngram: int = 6, min_ngram: int = 2) -> tuple[int, int]:
+def match_suffix(
+    tokens: Sequence[int] | np.ndarray, max_ngram: int = 6, min_ngram: int = 2
+) -> tuple[int, int]:
     """The longest suffix of the context that occurred before, and where it occurred last.
 
     Args:
@@ -73,8 +75,9 @@ def lookup_length(n: int, num_draft: int) -> int:
     return max(0, min(num_draft, 2 * (n - 1)))
 
 
-def prompt_lookup(tokens: Sequence[int] | np.ndarray, num_draft: int, max_ngram: int = 6,
-                  min_ngram: int = 2) -> list[int]:
+def prompt_lookup(
+    tokens: Sequence[int] | np.ndarray, num_draft: int, max_ngram: int = 6, min_ngram: int = 2
+) -> list[int]:
     """The draft prompt lookup proposes: after the longest suffix that occurred before
     (:func:`match_suffix`), copy :func:`lookup_length` tokens (:func:`copy_from`).
 

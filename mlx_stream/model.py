@@ -67,7 +67,9 @@ class SpeculativeModel(nn.Module):
         its ``rows`` ``(V', H)`` (a reduced draft vocabulary): ``(..., V)`` or ``(..., V')``."""
         return self.family.project(self.backbone, hidden) if rows is None else hidden @ rows.T
 
-    def head_logits(self, hidden: mx.array, rows: mx.array | None = None, path: mx.array | None = None) -> mx.array:
+    def head_logits(
+        self, hidden: mx.array, rows: mx.array | None = None, path: mx.array | None = None
+    ) -> mx.array:
         """Stream-head logits at hidden states: ``(..., H)`` -> ``(K, ..., V)``.
 
         Args:
@@ -107,7 +109,13 @@ class SpeculativeModel(nn.Module):
         t = cache[0].offset - 1
         kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache[-ns:]]
         x = mid.reshape(1, 1, -1)
-        s = self.family.stream_hidden(self.backbone, self.heads, x, mx.array([[t]]), kv,
-                                      mx.ones((1, 1, t + 1), dtype=mx.bool_),
-                                      mx.array([[root]], dtype=mx.int32))  # (K, 1, 1, H)
+        s = self.family.stream_hidden(
+            self.backbone,
+            self.heads,
+            x,
+            mx.array([[t]]),
+            kv,
+            mx.ones((1, 1, t + 1), dtype=mx.bool_),
+            mx.array([[root]], dtype=mx.int32),
+        )  # (K, 1, 1, H)
         return self.project(self.heads(s)[:, 0, 0], rows)

@@ -102,8 +102,9 @@ def load_spec_bench(path: str | Path | None = None, per_group: int | None = None
     return out
 
 
-def select_prompts(spec: str, limit: int | None = None, per_group: int | None = None
-                   ) -> tuple[list[str], list[str] | None]:
+def select_prompts(
+    spec: str, limit: int | None = None, per_group: int | None = None
+) -> tuple[list[str], list[str] | None]:
     """The prompts a bench runs, and their task groups where known.
 
     Args:

@@ -96,8 +96,10 @@ def parse_line(line: str) -> tuple[str, str]:
     if name not in COMMANDS:
         return "error", f"unknown command {first}; /help lists the commands"
     if rest:
-        return "error", (f"{first} takes no arguments (//text sends a message that starts with '/'); "
-                         "/help lists the commands")
+        return "error", (
+            f"{first} takes no arguments (//text sends a message that starts with '/'); "
+            "/help lists the commands"
+        )
     return "command", name
 
 
@@ -106,8 +108,10 @@ def stats_line(last) -> str:
     7.4 tok/s, tau 1.31, prompt 12 new + 340 cached tokens]``: ``new`` tokens were
     prefilled this turn, ``cached`` ones reused from the previous turns' KV cache."""
     cached = last.cached_tokens
-    return (f"[{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, tau {last.tau:.2f}, "
-            f"prompt {last.prompt_tokens - cached} new + {cached} cached tokens]")
+    return (
+        f"[{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, tau {last.tau:.2f}, "
+        f"prompt {last.prompt_tokens - cached} new + {cached} cached tokens]"
+    )
 
 
 @contextlib.contextmanager
@@ -143,8 +147,12 @@ def own_foreground_group(fd: int | None = None) -> Iterator[bool]:
     try:
         if fd is None:
             fd = sys.stdin.fileno()
-        if (hasattr(os, "tcsetpgrp") and os.isatty(fd) and os.getpgrp() != os.getpid()
-                and os.tcgetpgrp(fd) == os.getpgrp()):
+        if (
+            hasattr(os, "tcsetpgrp")
+            and os.isatty(fd)
+            and os.getpgrp() != os.getpid()
+            and os.tcgetpgrp(fd) == os.getpgrp()
+        ):
             old_pgrp = os.getpgrp()
             os.setpgid(0, 0)
             try:
@@ -220,9 +228,16 @@ def _clean(line: str) -> str:
     return "".join(ch for ch in line if ch.isprintable() or ch in "\t\n")
 
 
-def run_chat(session, *, model_name: str, settings: str | None = None,
-             input_fn: Callable[[str], str] | None = None, out: TextIO | None = None,
-             err: TextIO | None = None, terminal: bool | None = None) -> None:
+def run_chat(
+    session,
+    *,
+    model_name: str,
+    settings: str | None = None,
+    input_fn: Callable[[str], str] | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    terminal: bool | None = None,
+) -> None:
     """Chat with ``session`` until ``/exit``, ``/quit``, end of input or Ctrl-C at the prompt.
 
     Prints a banner (``model_name``, whether the model has stream heads, ``settings``,
@@ -262,8 +277,11 @@ def run_chat(session, *, model_name: str, settings: str | None = None,
         if terminal:
             stack.enter_context(own_foreground_group())
             editing = stack.enter_context(line_editing())
-        _say(out, f"mlx-stream chat: {model_name} ({mode}). {settings}. "
-                  "/help for commands, Ctrl-C stops a reply.\n")
+        _say(
+            out,
+            f"mlx-stream chat: {model_name} ({mode}). {settings}. "
+            "/help for commands, Ctrl-C stops a reply.\n",
+        )
         while True:
             try:
                 line = input_fn(PROMPT)

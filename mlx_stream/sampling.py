@@ -17,8 +17,8 @@ The semantics are mlx-lm's (``mlx_lm.sample_utils``):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import mlx.core as mx
 
@@ -41,8 +41,10 @@ def make_processors(repetition_penalty: float | None = None) -> list[LogitsProce
     from mlx_lm.sample_utils import make_logits_processors
 
     if repetition_penalty is not None and not (
-            isinstance(repetition_penalty, (int, float)) and math.isfinite(repetition_penalty)
-            and repetition_penalty > 0):
+        isinstance(repetition_penalty, (int, float))
+        and math.isfinite(repetition_penalty)
+        and repetition_penalty > 0
+    ):
         raise ValueError(f"repetition_penalty must be a number > 0 (1 = none), got {repetition_penalty!r}")
     return make_logits_processors(repetition_penalty=repetition_penalty)
 
@@ -71,16 +73,27 @@ class SamplingParams:
 
         ``top_k`` must be below ``vocab_size`` when it is given (as mlx-lm requires)."""
         check_sampling(self.temp)
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if (
+            isinstance(self.top_p, bool)
+            or not isinstance(self.top_p, (int, float))
+            or not 0 < self.top_p <= 1
+        ):
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if vocab_size is not None and self.top_k >= vocab_size:
             raise ValueError(f"top_k must be below the vocabulary size {vocab_size}, got {self.top_k}")
-        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if (
+            isinstance(self.min_p, bool)
+            or not isinstance(self.min_p, (int, float))
+            or not 0 <= self.min_p <= 1
+        ):
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
-        if isinstance(self.min_tokens_to_keep, bool) or not isinstance(self.min_tokens_to_keep, int) \
-                or self.min_tokens_to_keep < 1:
+        if (
+            isinstance(self.min_tokens_to_keep, bool)
+            or not isinstance(self.min_tokens_to_keep, int)
+            or self.min_tokens_to_keep < 1
+        ):
             raise ValueError(f"min_tokens_to_keep must be an integer >= 1, got {self.min_tokens_to_keep!r}")
 
     @property

@@ -31,8 +31,9 @@ def check_tree_spec(spec: TreeSpec) -> None:
 
 def check_prompt_lookup(prompt_lookup: int | None) -> None:
     """Raise ``ValueError`` unless ``prompt_lookup`` is ``None`` or an integer >= 0."""
-    if prompt_lookup is not None and (isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int)
-                                      or prompt_lookup < 0):
+    if prompt_lookup is not None and (
+        isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 0
+    ):
         raise ValueError(f"prompt_lookup must be an integer >= 0 (0: off) or None, got {prompt_lookup!r}")
 
 

@@ -18,8 +18,8 @@ Nodes are stored breadth-first (sorted by depth, then by path), so
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -77,7 +77,7 @@ class Tree:
             out.append(() if p < 0 else out[p] + (i,))
         return tuple(out)
 
-    def truncate(self, max_depth: int) -> "Tree":
+    def truncate(self, max_depth: int) -> Tree:
         """The subtree of nodes with depth <= ``max_depth`` (a prefix of the nodes)."""
         if max_depth >= self.depth:
             return self

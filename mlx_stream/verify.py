@@ -14,16 +14,14 @@ so every step emits at least one token and the output is the target's.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from .tree import Tree
 
 
-def verify_greedy(
-    tree: Tree, tokens: Sequence[int], targets: Sequence[int]
-) -> tuple[list[int], int]:
+def verify_greedy(tree: Tree, tokens: Sequence[int], targets: Sequence[int]) -> tuple[list[int], int]:
     """Greedy (temperature 0) tree verification.
 
     Starting at the root, follow the child whose drafted token equals the target's
@@ -155,7 +153,9 @@ def verify_coupled(
     Returns:
         ``(path, next_token)`` as for :func:`verify_greedy`.
     """
-    return _longest_path(tree, tokens, lambda node: sample_index(probs[node], uniforms[int(tree.depths[node])]))
+    return _longest_path(
+        tree, tokens, lambda node: sample_index(probs[node], uniforms[int(tree.depths[node])])
+    )
 
 
 def _longest_path(tree: Tree, tokens: Sequence[int], target) -> tuple[list[int], int]:

@@ -15,8 +15,9 @@ TEXT = (
 ) * 20
 
 
-def make_tiny_model_dir(path: Path, seed: int = 0, vocab: int = 384, context: int = 512,
-                        embed_scale: float = 1.0) -> Path:
+def make_tiny_model_dir(
+    path: Path, seed: int = 0, vocab: int = 384, context: int = 512, embed_scale: float = 1.0
+) -> Path:
     """Write an mlx-lm llama folder with random weights and a byte-level BPE tokenizer.
 
     ``embed_scale`` is the embeddings' standard deviation: 1.0 gives near-deterministic
@@ -30,23 +31,40 @@ def make_tiny_model_dir(path: Path, seed: int = 0, vocab: int = 384, context: in
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([TEXT], trainer)
     tok.save(str(path / "tokenizer.json"))
     n_vocab = tok.get_vocab_size()
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-        "bos_token": None, "clean_up_tokenization_spaces": False,
-        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}",
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "bos_token": None,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                "<|endoftext|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+            }
+        )
+    )
     cfg = {
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "vocab_size": n_vocab, "max_position_embeddings": context, "rope_theta": 10000.0,
-        "tie_word_embeddings": True, "eos_token_id": 0,
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": n_vocab,
+        "max_position_embeddings": context,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": 0,
     }
     (path / "config.json").write_text(json.dumps(cfg))
     mx.random.seed(seed)

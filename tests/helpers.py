@@ -16,8 +16,9 @@ def mlx_lm_greedy(model, tokenizer, ids, max_tokens, logits_processors=None, log
     """Plain mlx-lm greedy output (token ids; EOS not included), same model object.
     With a ``logprobs`` list, each token's log-probability (mlx-lm's) is appended to it."""
     out = []
-    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
-                                    logits_processors=logits_processors):
+    for r in mlx_lm.stream_generate(
+        model, tokenizer, mx.array(ids), max_tokens=max_tokens, logits_processors=logits_processors
+    ):
         if r.finish_reason == "stop" and r.token in tokenizer.eos_token_ids:
             break
         out.append(r.token)
@@ -71,7 +72,9 @@ def assert_greedy_identical(model, prompt_ids, got, ref, tol=1e-4):
         if got[i] != ref[i]:
             gap = top2_gap(model, list(prompt_ids) + ref[:i])
             assert gap < tol, f"mismatch at token {i}: {got[i]} vs mlx-lm {ref[i]}, top-2 gap {gap:.2e}"
-            warnings.warn(f"near-tie exemption at token {i} (top-2 gap {gap:.2e})")  # shown in the summary
+            warnings.warn(
+                f"near-tie exemption at token {i} (top-2 gap {gap:.2e})", stacklevel=2
+            )  # shown in the summary
             return "tie"
     assert len(got) == len(ref), f"lengths differ: {len(got)} vs mlx-lm {len(ref)}"
     return "equal"

@@ -1,8 +1,8 @@
 """Adaptive speculation: drafts are sent only while they pay, output unchanged."""
 
 import pytest
-
 from helpers import mlx_lm_greedy, ours
+
 from mlx_stream.adaptive import SpeculationPolicy
 from mlx_stream.heads import new_heads
 
@@ -28,7 +28,7 @@ def test_policy_follows_a_change_of_predictability():
     used = simulate(SpeculationPolicy(), lambda i: 2.0 if i < 100 or i >= 200 else 1.0, 300)
     assert all(used[20:100])
     assert sum(used[110:200]) <= 90 / 16 + 1  # plain, with a try every 16 steps
-    assert all(used[200 + 2 * 16:])  # back to drafting after at most two tries
+    assert all(used[200 + 2 * 16 :])  # back to drafting after at most two tries
 
 
 def test_adaptive_loop_keeps_the_output_and_mixes_in_plain_steps(tiny):

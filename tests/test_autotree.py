@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from helpers import mlx_lm_greedy, ours
+
 from mlx_stream.autotree import auto_tree, device_key
 from mlx_stream.heads import new_heads
 

@@ -1,8 +1,8 @@
 """Multi-turn chat (ChatSession, what `mlx-stream chat` runs): the cache is the transcript."""
 
 import pytest
-
 from helpers import ours
+
 from mlx_stream import ChatSession
 from mlx_stream.heads import new_heads
 

@@ -27,26 +27,37 @@ def test_generate_json(tiny_dir):
     r = run("generate", "--model", str(tiny_dir), "--prompt", "The quick", "--max-tokens", "7", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    for key in ("text", "tokens", "finish_reason", "prompt_tokens", "generation_tokens",
-                "forward_passes", "tau", "generation_tps"):
+    for key in (
+        "text",
+        "tokens",
+        "finish_reason",
+        "prompt_tokens",
+        "generation_tokens",
+        "forward_passes",
+        "tau",
+        "generation_tps",
+    ):
         assert key in out
     assert out["generation_tokens"] == len(out["tokens"]) <= 7
     assert out["finish_reason"] in ("stop", "length")
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["--temp", "-1"], "temperature"),
-    (["--max-tokens", "0"], "max_tokens"),
-    (["--tree", "1;;2"], "unknown tree"),
-    (["--temp", "1", "--top-p", "0"], "top_p"),
-    (["--temp", "1", "--top-p", "1.5"], "top_p"),
-    (["--temp", "1", "--top-k", "-2"], "top_k"),
-    (["--temp", "1", "--top-k", "100000"], "vocabulary size"),
-    (["--temp", "1", "--min-p", "1.5"], "min_p"),
-    (["--repetition-penalty", "0"], "repetition_penalty"),
-    (["--model", "no/such/thing/here"], "unknown model"),
-    (["--model", "missing.gguf"], "GGUF file not found"),
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--temp", "-1"], "temperature"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--tree", "1;;2"], "unknown tree"),
+        (["--temp", "1", "--top-p", "0"], "top_p"),
+        (["--temp", "1", "--top-p", "1.5"], "top_p"),
+        (["--temp", "1", "--top-k", "-2"], "top_k"),
+        (["--temp", "1", "--top-k", "100000"], "vocabulary size"),
+        (["--temp", "1", "--min-p", "1.5"], "min_p"),
+        (["--repetition-penalty", "0"], "repetition_penalty"),
+        (["--model", "no/such/thing/here"], "unknown model"),
+        (["--model", "missing.gguf"], "GGUF file not found"),
+    ],
+)
 def test_generate_bad_input_exits_2(tiny_dir, args, msg):
     base = ["generate", "--prompt", "hi", "--model", str(tiny_dir)]
     r = run(*base, *args)
@@ -56,9 +67,29 @@ def test_generate_bad_input_exits_2(tiny_dir, args, msg):
 
 
 def test_generate_sampling_flags_seed_and_logprobs(tiny_dir):
-    args = ["generate", "-m", str(tiny_dir), "-p", "The quick", "--max-tokens", "12", "--temp", "0.7",
-            "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05", "--repetition-penalty", "1.2", "--seed", "4",
-            "--json", "--logprobs"]
+    args = [
+        "generate",
+        "-m",
+        str(tiny_dir),
+        "-p",
+        "The quick",
+        "--max-tokens",
+        "12",
+        "--temp",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "20",
+        "--min-p",
+        "0.05",
+        "--repetition-penalty",
+        "1.2",
+        "--seed",
+        "4",
+        "--json",
+        "--logprobs",
+    ]
     a, b = run(*args), run(*args)
     assert a.returncode == 0, a.stderr
     ja, jb = json.loads(a.stdout), json.loads(b.stdout)
@@ -68,8 +99,7 @@ def test_generate_sampling_flags_seed_and_logprobs(tiny_dir):
 
 
 def test_chat_turns_reset_and_eof(tiny_dir):
-    r = run("chat", "--model", str(tiny_dir), "--max-tokens", "5",
-            input="hello\n/reset\nagain \x07\xff\n")
+    r = run("chat", "--model", str(tiny_dir), "--max-tokens", "5", input="hello\n/reset\nagain \x07\xff\n")
     assert r.returncode == 0, r.stderr
     assert "[conversation cleared]" in r.stdout
     assert r.stderr.count("tokens,") == 2  # one stats line per reply
@@ -86,17 +116,23 @@ def test_convert_cli_refuses_what_it_cannot_convert(tmp_path):
 
 
 def test_only_the_mlx_stream_namespace_is_installed(tmp_path):
-    code = ("import importlib.util as u, sys; "
-            "bad = [n for n in ('train', 'heads', 'convert', 'cli') if u.find_spec(n)]; "
-            "import mlx_stream.train, mlx_stream.heads, mlx_stream.convert, mlx_stream.cli; "
-            "sys.exit(1 if bad else 0)")
+    code = (
+        "import importlib.util as u, sys; "
+        "bad = [n for n in ('train', 'heads', 'convert', 'cli') if u.find_spec(n)]; "
+        "import mlx_stream.train, mlx_stream.heads, mlx_stream.convert, mlx_stream.cli; "
+        "sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
 def test_wheel_holds_only_mlx_stream(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     (whl,) = tmp_path.glob("mlx_stream-*.whl")
     names = zipfile.ZipFile(whl).namelist()
@@ -108,11 +144,28 @@ def test_wheel_holds_only_mlx_stream(tmp_path):
 
 def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text('{"prompt": "The quick brown fox"}\n{"prompt": "heads, trees!"}\n{"prompt": "0123 café"}\n'
-                    '{"prompt": "drafts"}\n{"text": "Speculative decoding drafts tokens"}\n')
+    data.write_text(
+        '{"prompt": "The quick brown fox"}\n{"prompt": "heads, trees!"}\n{"prompt": "0123 café"}\n'
+        '{"prompt": "drafts"}\n{"text": "Speculative decoding drafts tokens"}\n'
+    )
     out = tmp_path / "run"
-    args = ["train", "--model", str(tiny_dir), "--out", str(out), "--data", str(data), "--max-tokens", "12", "--workers", "2",
-            "--epochs", "2", "--batch-size", "8"]
+    args = [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--max-tokens",
+        "12",
+        "--workers",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+    ]
     r = run(*args)
     assert r.returncode == 0, r.stderr
     assert (out / "heads" / "heads.safetensors").is_file() and (out / "report.json").is_file()
@@ -129,13 +182,29 @@ def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
     assert r.returncode == 2 and "--resume" in r.stderr
     r = run(*args, "--resume")  # every stage is found on disk and reused
     assert r.returncode == 0, r.stderr
-    g = run("generate", "--model", str(tiny_dir), "--heads", str(out / "heads"), "-p", "The quick",
-            "--max-tokens", "6", "--json")
+    g = run(
+        "generate",
+        "--model",
+        str(tiny_dir),
+        "--heads",
+        str(out / "heads"),
+        "-p",
+        "The quick",
+        "--max-tokens",
+        "6",
+        "--json",
+    )
     assert g.returncode == 0 and json.loads(g.stdout)["heads"] is True
 
 
-@pytest.mark.parametrize("args,msg", [(["--num-heads", "0"], "num_heads"), (["--epochs", "0"], "epochs"),
-                                      (["--data", "/nonexistent.jsonl"], "/nonexistent.jsonl: file not found")])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--num-heads", "0"], "num_heads"),
+        (["--epochs", "0"], "epochs"),
+        (["--data", "/nonexistent.jsonl"], "/nonexistent.jsonl: file not found"),
+    ],
+)
 def test_train_bad_input_exits_2(tiny_dir, tmp_path, args, msg):
     r = run("train", "--model", str(tiny_dir), "--out", str(tmp_path / "o"), *args)
     assert r.returncode == 2 and msg in r.stderr, r.stderr
@@ -144,15 +213,36 @@ def test_train_bad_input_exits_2(tiny_dir, tmp_path, args, msg):
 
 def test_eval_heads_reports_tau_per_group(tiny_dir, tmp_path):
     q = tmp_path / "question.jsonl"
-    rows = [{"question_id": i, "category": c, "turns": [f"The quick brown fox {i}", "second turn"]}
-            for i, c in enumerate(["writing", "coding", "qa", "qa", "rag"])]
+    rows = [
+        {"question_id": i, "category": c, "turns": [f"The quick brown fox {i}", "second turn"]}
+        for i, c in enumerate(["writing", "coding", "qa", "qa", "rag"])
+    ]
     q.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "tau.json"
-    r = run("eval-heads", "--model", str(tiny_dir), "--prompts", str(q), "--max-tokens", "6", "--heads", "none", "--workers", "2",
-            "--per-category", "1", "--out", str(out))  # (the same option as --per-group)
+    r = run(
+        "eval-heads",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(q),
+        "--max-tokens",
+        "6",
+        "--heads",
+        "none",
+        "--workers",
+        "2",
+        "--per-category",
+        "1",
+        "--out",
+        str(out),
+    )  # (the same option as --per-group)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
-    assert res["all"]["prompts"] == 3 and res["group:mt-bench"]["prompts"] == 1 and res["group:qa"]["prompts"] == 1
+    assert (
+        res["all"]["prompts"] == 3
+        and res["group:mt-bench"]["prompts"] == 1
+        and res["group:qa"]["prompts"] == 1
+    )
     assert res["all"]["tau"] == pytest.approx(1.0)  # plain decoding: one token per pass
 
 
@@ -178,8 +268,19 @@ def test_train_refuses_msa_and_unknown_architectures(tmp_path, tiny_dir):
 
 def test_bench_writes_report_and_plot(tiny_dir, tmp_path):
     out = tmp_path / "bench"
-    r = run("bench", "--model", str(tiny_dir), "--drafter", "oracle", "-n", "2", "--max-tokens", "8",
-            "--out", str(out))
+    r = run(
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "--drafter",
+        "oracle",
+        "-n",
+        "2",
+        "--max-tokens",
+        "8",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     res = json.loads((out / "report.json").read_text())
     assert res["prompts"] == 2 and res["identical"] == 2 and res["environment"]["blas"]
@@ -189,8 +290,21 @@ def test_bench_writes_report_and_plot(tiny_dir, tmp_path):
     assert "loop overhead" in r.stdout and "oracle ceiling" in (out / "report.md").read_text()
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob(".*.tmp"))
-    r = run("bench", "--model", str(tiny_dir), "-n", "1", "--max-tokens", "8", "--temp", "0.8", "--top-k", "5",
-            "--out", str(out))
+    r = run(
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "-n",
+        "1",
+        "--max-tokens",
+        "8",
+        "--temp",
+        "0.8",
+        "--top-k",
+        "5",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     res = json.loads((out / "report.json").read_text())
     assert res["identical"] is None and res["sampling"]["top_k"] == 5
@@ -208,7 +322,10 @@ def test_unwritable_outputs_are_refused_before_any_work(tiny_dir, tmp_path):
     ]
     for args in cases:
         r = run(*args)
-        assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr, (
+            args,
+            r.stderr,
+        )
         assert r.stderr.count("\n") == 1  # one line
     assert blocker.read_text() == "not a folder"
 
@@ -249,13 +366,44 @@ def test_train_killed_at_any_point_resumes_to_the_same_heads(tiny_dir, tmp_path)
     from safetensors.numpy import load_file
 
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
-                            ["The quick brown fox", "heads, trees!", "0123 café", "drafts", "Speculative decoding",
-                             "naïve café", "streams and trees", "fox jumps"]))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": p}) + "\n"
+            for p in [
+                "The quick brown fox",
+                "heads, trees!",
+                "0123 café",
+                "drafts",
+                "Speculative decoding",
+                "naïve café",
+                "streams and trees",
+                "fox jumps",
+            ]
+        )
+    )
 
     def args(out):
-        return [EXE, "train", "--model", str(tiny_dir), "--out", str(out), "--data", str(data), "--max-tokens", "16",
-                "--epochs", "3", "--batch-size", "8", "--checkpoint-every", "2", "--no-tune", "--workers", "2"]
+        return [
+            EXE,
+            "train",
+            "--model",
+            str(tiny_dir),
+            "--out",
+            str(out),
+            "--data",
+            str(data),
+            "--max-tokens",
+            "16",
+            "--epochs",
+            "3",
+            "--batch-size",
+            "8",
+            "--checkpoint-every",
+            "2",
+            "--no-tune",
+            "--workers",
+            "2",
+        ]
 
     tic = time.perf_counter()
     ref = subprocess.run(args(tmp_path / "ref"), capture_output=True, text=True, timeout=600)
@@ -264,7 +412,9 @@ def test_train_killed_at_any_point_resumes_to_the_same_heads(tiny_dir, tmp_path)
     want = load_file(str(tmp_path / "ref" / "heads" / "heads.safetensors"))
     for i, frac in enumerate((0.3, 0.6, 0.85)):
         out = tmp_path / f"run{i}"
-        p = subprocess.Popen(args(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(
+            args(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         time.sleep(frac * wall)
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
@@ -272,6 +422,8 @@ def test_train_killed_at_any_point_resumes_to_the_same_heads(tiny_dir, tmp_path)
         assert r.returncode == 0, (frac, r.stderr)
         got = load_file(str(out / "heads" / "heads.safetensors"))
         for k in want:
-            np.testing.assert_allclose(got[k].astype(np.float32), want[k].astype(np.float32), atol=2e-3, err_msg=k)
+            np.testing.assert_allclose(
+                got[k].astype(np.float32), want[k].astype(np.float32), atol=2e-3, err_msg=k
+            )
         for f in (out / "data").glob("*.jsonl"):  # whole files only
             [json.loads(line) for line in f.read_text().splitlines()]

@@ -54,8 +54,10 @@ def reference(gguf_path):
 def test_logits_match_transformers_gguf(real, reference):
     torch, ref_model, _ = reference
     model, tok = real
-    text = ("The capital of France is Paris, and the capital of Germany is Berlin. "
-            "In 1969, Apollo 11 landed on the Moon; def add(a, b): return a + b")
+    text = (
+        "The capital of France is Paris, and the capital of Germany is Berlin. "
+        "In 1969, Apollo 11 landed on the Moon; def add(a, b): return a + b"
+    )
     ids = tok.encode(text)
     assert len(ids) >= 24
     with torch.no_grad():
@@ -80,7 +82,9 @@ def test_tokenizer_matches_transformers_gguf(real, reference, text):
 def test_chat_template_and_eos_carried_over(real):
     _, tok = real
     assert tok.eos_token_ids == {2} and tok.eos_token == "<|im_end|>"
-    p = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    p = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert p.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -91,9 +95,16 @@ def test_convert_output_loads_in_plain_mlx_lm(gguf_path, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization"]["bits"] == 4 and cfg["quantization"]["model.embed_tokens"]["bits"] == 8
     model, tok = mlx_lm.load(str(out))
-    text = mlx_lm.generate(model, tok, tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False),
-        max_tokens=12)
+    text = mlx_lm.generate(
+        model,
+        tok,
+        tok.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True,
+            tokenize=False,
+        ),
+        max_tokens=12,
+    )
     assert "Paris" in text
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from conftest import TEXT
 from helpers import mlx_lm_greedy, ours
+
 from mlx_stream import load
 from mlx_stream.convert import convert_hf, load_torch_bin
 from mlx_stream.heads import new_heads
@@ -38,17 +38,36 @@ def _llama2_tokenizer(folder: Path) -> None:
     corpus = folder / "corpus.txt"
     corpus.write_text(TEXT + "Hello world.  Leading spaces, 42 digits, naïve café ✓\n")
     spm.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(folder / "tokenizer"), vocab_size=400, model_type="bpe",
-        byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, character_coverage=1.0,
-        normalization_rule_name="identity", minloglevel=2)
+        input=str(corpus),
+        model_prefix=str(folder / "tokenizer"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        minloglevel=2,
+    )
     corpus.unlink()
     (folder / "tokenizer.vocab").unlink()
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "add_eos_token": False, "legacy": False,
-        "chat_template": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}[assistant] {% endif %}",
-    }))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "legacy": False,
+                "chat_template": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}",
+            }
+        )
+    )
 
 
 def _gpt2_tokenizer(folder: Path) -> None:
@@ -58,14 +77,28 @@ def _gpt2_tokenizer(folder: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        [TEXT],
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.model.save(str(folder))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "GPT2Tokenizer", "bos_token": "</s>", "eos_token": "</s>", "pad_token": "<pad>",
-        "unk_token": "<unk>", "add_bos_token": True,
-    }))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GPT2Tokenizer",
+                "bos_token": "</s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+            }
+        )
+    )
 
 
 def _save(model, folder: Path, fmt: str) -> None:
@@ -79,12 +112,15 @@ def _save(model, folder: Path, fmt: str) -> None:
         torch.save(state, folder / "pytorch_model.bin")
         return
     names = sorted(state)
-    shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
-              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    shards = {
+        "pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+        "pytorch_model-00002-of-00002.bin": names[len(names) // 2 :],
+    }
     for file, keys in shards.items():
         torch.save({k: state[k] for k in keys}, folder / file)
-    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    (folder / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}})
+    )
 
 
 def build_checkpoint(folder: Path, arch: str, fmt: str = "safetensors", dtype=None):
@@ -96,17 +132,34 @@ def build_checkpoint(folder: Path, arch: str, fmt: str = "safetensors", dtype=No
         _llama2_tokenizer(folder)
         tok = transformers.AutoTokenizer.from_pretrained(folder)
         cfg = transformers.LlamaConfig(
-            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
-            eos_token_id=2)
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     else:
         _gpt2_tokenizer(folder)
         tok = transformers.AutoTokenizer.from_pretrained(folder)
         cfg = transformers.OPTConfig(
-            vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
-            max_position_embeddings=256, pad_token_id=1, bos_token_id=2, eos_token_id=2,
-            word_embed_proj_dim=32 if arch == "opt-350m" else 64, do_layer_norm_before=arch == "opt")
+            vocab_size=len(tok),
+            hidden_size=64,
+            num_hidden_layers=2,
+            ffn_dim=128,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            pad_token_id=1,
+            bos_token_id=2,
+            eos_token_id=2,
+            word_embed_proj_dim=32 if arch == "opt-350m" else 64,
+            do_layer_norm_before=arch == "opt",
+        )
         model = transformers.OPTForCausalLM(cfg)
     with torch.no_grad():  # larger weights than the init's, so predictions are peaked and varied
         for p in model.parameters():
@@ -152,8 +205,13 @@ def test_logits_match_transformers(converted, arch):
     from mlx_stream.cache import make_tree_cache
 
     cache = make_tree_cache(model.backbone)
-    h, _ = model.family.tree_hidden(model.backbone, mx.array(ids), mx.arange(len(ids)),
-                                    mx.array(np.tril(np.ones((len(ids), len(ids)), dtype=bool))), cache)
+    h, _ = model.family.tree_hidden(
+        model.backbone,
+        mx.array(ids),
+        mx.arange(len(ids)),
+        mx.array(np.tril(np.ones((len(ids), len(ids)), dtype=bool))),
+        cache,
+    )
     np.testing.assert_allclose(np.array(model.project(h)), ours_, atol=1e-4)
 
 
@@ -199,24 +257,35 @@ def test_msa_heads_are_refused_for_opt(converted):
         new_heads(model.backbone, tok, 2, architecture="msa")
 
 
-@pytest.mark.parametrize("fmt,dtype", [("shards", torch.bfloat16), ("safetensors", torch.float16), ("bin", torch.float16)])
+@pytest.mark.parametrize(
+    "fmt,dtype", [("shards", torch.bfloat16), ("safetensors", torch.float16), ("bin", torch.float16)]
+)
 def test_formats_and_dtypes(tmp_path, fmt, dtype):
     ref = build_checkpoint(tmp_path / "src", "opt", fmt=fmt, dtype=dtype)
     dst = convert_hf(tmp_path / "src", tmp_path / "dst")
     cfg = json.loads((dst / "config.json").read_text())
     stored = mx.load(str(dst / "model.safetensors"))
-    assert stored["model.decoder.layers.0.fc1.weight"].dtype == {torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}[dtype]
+    assert (
+        stored["model.decoder.layers.0.fc1.weight"].dtype
+        == {torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}[dtype]
+    )
     assert cfg["model_type"] == "opt"
     # the weights are the checkpoint's exactly
     w = ref.state_dict()["model.decoder.layers.1.self_attn.q_proj.weight"].float().numpy()
-    np.testing.assert_array_equal(np.array(stored["model.decoder.layers.1.self_attn.q_proj.weight"].astype(mx.float32)), w)
+    np.testing.assert_array_equal(
+        np.array(stored["model.decoder.layers.1.self_attn.q_proj.weight"].astype(mx.float32)), w
+    )
     out32 = convert_hf(tmp_path / "src", tmp_path / "dst32", dtype="float32")
     assert mx.load(str(out32 / "model.safetensors"))["model.decoder.layers.0.fc1.weight"].dtype == mx.float32
 
 
 def test_torch_bin_reader_matches_torch(tmp_path):
-    state = {"a": torch.randn(3, 4), "b": torch.arange(6, dtype=torch.int64).reshape(2, 3).t(),  # a strided view
-             "c": torch.randn(5).to(torch.bfloat16), "d": torch.tensor(2.5, dtype=torch.float16)}
+    state = {
+        "a": torch.randn(3, 4),
+        "b": torch.arange(6, dtype=torch.int64).reshape(2, 3).t(),  # a strided view
+        "c": torch.randn(5).to(torch.bfloat16),
+        "d": torch.tensor(2.5, dtype=torch.float16),
+    }
     torch.save(state, tmp_path / "x.bin")
     got = load_torch_bin(tmp_path / "x.bin")
     for k, v in state.items():
@@ -268,7 +337,9 @@ def test_bad_checkpoints_are_refused_and_leave_nothing(tmp_path):
     refused(ValueError, r"fc1\.(weight|bias) has shape .*config.json implies")
     (src / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": 3}))
     refused(ValueError, "missing model.decoder.layers.2")
-    (src / "config.json").write_text(json.dumps(cfg | {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}))
+    (src / "config.json").write_text(
+        json.dumps(cfg | {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"})
+    )
     refused(ValueError, "not supported")
     (src / "config.json").write_text("{not json")
     refused(ValueError, "config.json")
@@ -301,21 +372,64 @@ def test_cli_convert_and_train_end_to_end(tmp_path, arch):
     src = tmp_path / "src"
     build_checkpoint(src, arch, fmt="bin")
     dst = tmp_path / "mlx"
-    r = subprocess.run([EXE, "convert", str(src), "--out", str(dst)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [EXE, "convert", str(src), "--out", str(dst)], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
-                            ["The quick brown fox", "heads, trees!", "0123 café", "drafts", "Speculative decoding"]))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": p}) + "\n"
+            for p in ["The quick brown fox", "heads, trees!", "0123 café", "drafts", "Speculative decoding"]
+        )
+    )
     out = tmp_path / "run"
-    r = subprocess.run([EXE, "train", "--model", str(dst), "--out", str(out), "--data", str(data), "--max-tokens", "24",
-                        "--epochs", "4", "--batch-size", "8", "--draft-vocab", "0", "--no-tune"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            EXE,
+            "train",
+            "--model",
+            str(dst),
+            "--out",
+            str(out),
+            "--data",
+            str(data),
+            "--max-tokens",
+            "24",
+            "--epochs",
+            "4",
+            "--batch-size",
+            "8",
+            "--draft-vocab",
+            "0",
+            "--no-tune",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["final_loss"] < report["first_loss"]
     heads_cfg = json.loads((out / "heads" / "config.json").read_text())
     assert heads_cfg["fingerprint"]["architecture"] == ("llama" if arch == "llama" else "opt")
-    g = subprocess.run([EXE, "generate", "--model", str(dst), "--heads", str(out / "heads"), "-p", "The quick",
-                        "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=600)
+    g = subprocess.run(
+        [
+            EXE,
+            "generate",
+            "--model",
+            str(dst),
+            "--heads",
+            str(out / "heads"),
+            "-p",
+            "The quick",
+            "--max-tokens",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert g.returncode == 0, g.stderr
     assert json.loads(g.stdout)["heads"] is True

@@ -66,8 +66,11 @@ def got_blas(symbol=b"cblas_sgemm"):
 
 
 def _env(**changes):
-    e = {k: v for k, v in os.environ.items()
-         if k not in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "MLX_STREAM_REEXEC", "MLX_STREAM_NO_REEXEC")}
+    e = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "MLX_STREAM_REEXEC", "MLX_STREAM_NO_REEXEC")
+    }
     e.update({k: v for k, v in changes.items() if v is not None})
     return e
 
@@ -79,16 +82,23 @@ def _run(args, env, cwd=None):
 
 
 def _probe(env):
-    script = LOAD_ENV + GOT_TRUTH + textwrap.dedent("""
+    script = (
+        LOAD_ENV
+        + GOT_TRUTH
+        + textwrap.dedent("""
         import json
         maps_has_openblas = "openblas" in open("/proc/self/maps").read()
         print(json.dumps({"active": env.openblas_active(),
                           "blas": env.mlx_blas(), "got": got_blas(), "hint": env.blas_hint(),
                           "maps_has_openblas": maps_has_openblas}))
     """)
+    )
     # numpy first: its bundled OpenBLAS is mapped before MLX loads
-    return json.loads(_run([sys.executable, "-c", "import numpy; numpy.ones(3) @ numpy.ones(3)\n" + script],
-                           env).strip().splitlines()[-1])
+    return json.loads(
+        _run([sys.executable, "-c", "import numpy; numpy.ones(3) @ numpy.ones(3)\n" + script], env)
+        .strip()
+        .splitlines()[-1]
+    )
 
 
 def _openblas():
@@ -105,7 +115,7 @@ def test_preloaded_openblas_is_what_mlx_calls():
     r = _probe(_env(LD_PRELOAD=lib, OPENBLAS_NUM_THREADS="1"))
     assert r["active"] is True
     assert os.path.samefile(r["blas"], lib), r
-    assert os.path.samefile(r["got"], lib), r          # the linker really bound it there
+    assert os.path.samefile(r["got"], lib), r  # the linker really bound it there
     assert r["hint"] is None
 
 
@@ -114,7 +124,7 @@ def test_numpy_openblas_does_not_fool_it():
     assert r["maps_has_openblas"], "numpy's bundled OpenBLAS should be mapped (the old check's trap)"
     assert r["active"] is False
     assert "openblas" not in os.path.basename(r["blas"]).lower(), r
-    assert os.path.samefile(r["blas"], r["got"]), r      # the wheel's reference libblas
+    assert os.path.samefile(r["blas"], r["got"]), r  # the wheel's reference libblas
     assert r["hint"].startswith("note: slow reference BLAS in use")
     assert "OPENBLAS_NUM_THREADS=1" in r["hint"] and "LD_PRELOAD=" in r["hint"]
 
@@ -141,11 +151,21 @@ def test_reexec_runs_once_onto_openblas(tmp_path, how):
         script = tmp_path / "probe-cmd"
         script.write_text(f"#!{sys.executable}\n" + LOAD_ENV + REEXEC_SCRIPT)
         script.chmod(0o755)
-        libm = next((p for p in ("/lib/x86_64-linux-gnu/libm.so.6", "/lib/aarch64-linux-gnu/libm.so.6",
-                                 "/lib64/libm.so.6") if os.path.exists(p)), None)
+        libm = next(
+            (
+                p
+                for p in (
+                    "/lib/x86_64-linux-gnu/libm.so.6",
+                    "/lib/aarch64-linux-gnu/libm.so.6",
+                    "/lib64/libm.so.6",
+                )
+                if os.path.exists(p)
+            ),
+            None,
+        )
         args, env = [str(script), "a", "--b"], _env(LD_PRELOAD=libm, OPENBLAS_NUM_THREADS="2")
     lines = _run(args, env, cwd=tmp_path).splitlines()
-    assert lines[:2] == ["run None", "run 1"], lines    # re-executed exactly once
+    assert lines[:2] == ["run None", "run 1"], lines  # re-executed exactly once
     assert len(lines) == 3 and lines[2].startswith("end True 1 "), lines
     if how == "console":
         preload = f"{lib}:{env['LD_PRELOAD']}" if "LD_PRELOAD" in env else lib

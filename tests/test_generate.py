@@ -2,8 +2,8 @@
 
 import mlx_lm
 import pytest
-
 from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+
 from mlx_stream import OracleDrafter, PromptCache, chain, generate, stream_generate
 from mlx_stream.heads import new_heads
 from mlx_stream.tree import build_tree, sparse
@@ -53,8 +53,9 @@ def test_greedy_identity_with_drafters(tiny_ref, tree):
 @pytest.mark.parametrize("arch", ["hydra", "msa"])
 def test_greedy_identity_with_random_conditioned_heads(tiny_ref, tree, arch):
     model, tok, refs = tiny_ref
-    model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=4, architecture=arch, stream_layers=1,
-                            adapter_size=8)
+    model.heads = new_heads(
+        model.backbone, tok, K, scale=0.5, seed=4, architecture=arch, stream_layers=1, adapter_size=8
+    )
     for ids, ref in refs:
         got, _ = ours(model, tok, ids, 48, tree=tree)
         assert_greedy_identical(model, ids, got, ref)
@@ -69,7 +70,9 @@ def test_eos_at_every_offset_inside_a_chunk(tiny_ref):
         saved = tok.eos_token_ids
         tok.eos_token_ids = {ref[k]}
         try:
-            got, rs = ours(model, tok, ids, 48, drafter=OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size))
+            got, rs = ours(
+                model, tok, ids, 48, drafter=OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size)
+            )
         finally:
             tok.eos_token_ids = saved
         assert got == ref[:k], k
@@ -105,8 +108,14 @@ def test_stop_string_inside_an_accepted_chunk(tiny_ref):
             continue
         stop = full[len(full) // 2 : len(full) // 2 + 3]
         cut = full.find(stop)
-        got, rs = ours(model, tok, ids, 48, stop=[stop],
-                       drafter=OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size))
+        got, rs = ours(
+            model,
+            tok,
+            ids,
+            48,
+            stop=[stop],
+            drafter=OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size),
+        )
         text = "".join(r.text for r in rs)
         assert text == full[:cut], (stop, text)
         assert rs[-1].finish_reason == "stop"
@@ -130,7 +139,9 @@ def test_context_limit_clamps_the_tree_and_ends_with_length(tiny):
     model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=1)
     ids = (tok.encode(PROMPTS[0]) * 200)[: ctx - 2]
     ref = mlx_lm_greedy(model, tok, ids, 2)
-    got, rs = ours(model, tok, ids, 100, drafter=OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size))
+    got, rs = ours(
+        model, tok, ids, 100, drafter=OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size)
+    )
     assert got == ref[:2] and rs[-1].finish_reason == "length"
     assert len(ids) + len(got) == ctx
 
@@ -144,13 +155,25 @@ def test_prompt_longer_than_context_is_refused_before_any_forward(tiny):
     assert cache.layers[0].offset == 0 and cache.layers[0].keys is None
 
 
-@pytest.mark.parametrize("kw,msg", [
-    ({"temp": -0.5}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
-    ({"tree": "bogus"}, "unknown tree"), ({"tree": "0;;1"}, "unknown tree"), ({"tree": "0,a"}, "unknown tree"),
-    ({"tree": "1,0"}, "no parent"), ({"temp": 1.0, "top_p": 0.0}, "top_p"), ({"temp": 1.0, "top_p": 1.5}, "top_p"),
-    ({"temp": 1.0, "top_k": -1}, "top_k"), ({"temp": float("nan")}, "temp"), ({"max_tokens": 2.5}, "max_tokens"),
-    ({"seed": -1}, "seed"), ({"prompt_lookup": -2}, "prompt_lookup"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"temp": -0.5}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"tree": "bogus"}, "unknown tree"),
+        ({"tree": "0;;1"}, "unknown tree"),
+        ({"tree": "0,a"}, "unknown tree"),
+        ({"tree": "1,0"}, "no parent"),
+        ({"temp": 1.0, "top_p": 0.0}, "top_p"),
+        ({"temp": 1.0, "top_p": 1.5}, "top_p"),
+        ({"temp": 1.0, "top_k": -1}, "top_k"),
+        ({"temp": float("nan")}, "temp"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"prompt_lookup": -2}, "prompt_lookup"),
+    ],
+)
 def test_bad_parameters(tiny, kw, msg):
     model, tok = tiny
     model.heads = new_heads(model.backbone, tok, K)

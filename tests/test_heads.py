@@ -5,8 +5,8 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from conftest import make_tiny_model_dir
+
 from mlx_stream import load
 from mlx_stream.heads import HeadConfig, backbone_fingerprint, load_heads, new_heads, save_heads
 
@@ -72,8 +72,15 @@ def test_fingerprint_ignores_quantisation(real):
 
 def test_hydra_heads_saved_in_float16_load_as_float32(tiny, tmp_path):
     model, tok = tiny
-    heads = new_heads(model.backbone, tok, 3, scale=0.1, seed=2, architecture="hydra",
-                      draft_ids=mx.arange(10, 40, dtype=mx.int32))
+    heads = new_heads(
+        model.backbone,
+        tok,
+        3,
+        scale=0.1,
+        seed=2,
+        architecture="hydra",
+        draft_ids=mx.arange(10, 40, dtype=mx.int32),
+    )
     save_heads(heads, tmp_path / "h", dtype=mx.float16)
     stored = mx.load(str(tmp_path / "h" / "heads.safetensors"))
     assert stored["heads.0.0.inp.weight"].dtype == mx.float16 and stored["draft_ids"].dtype == mx.int32
@@ -106,7 +113,9 @@ def test_msa_streams_from_the_cache_equal_the_training_pass(tiny):
     from mlx_stream.models import llama as fam
 
     model, tok = tiny
-    heads = new_heads(model.backbone, tok, 3, scale=0.2, seed=1, architecture="msa", stream_layers=1, adapter_size=8)
+    heads = new_heads(
+        model.backbone, tok, 3, scale=0.2, seed=1, architecture="msa", stream_layers=1, adapter_size=8
+    )
     model.heads = heads
     ids = mx.array([5, 17, 33, 8, 91, 40, 2, 77])
     T = ids.shape[0]
@@ -119,7 +128,9 @@ def test_msa_streams_from_the_cache_equal_the_training_pass(tiny):
     ids2 = mx.concatenate([ids[:6], mx.array([3, 3])])
     x2, kv2 = _mid_and_kv(model, ids2, 1)
     root2 = mx.concatenate([ids2[1:], mx.array([0])])[None]
-    seq2 = fam.stream_hidden(model.backbone, heads, x2, ar[None], kv2, (ar[None, :] <= ar[:, None])[None], root2)
+    seq2 = fam.stream_hidden(
+        model.backbone, heads, x2, ar[None], kv2, (ar[None, :] <= ar[:, None])[None], root2
+    )
     np.testing.assert_allclose(np.array(seq2[:, 0, :5]), np.array(seq[:, 0, :5]), atol=1e-5)
     for t in (0, 3, 5):
         cache = make_prompt_cache(model.backbone)
@@ -132,7 +143,9 @@ def test_msa_streams_from_the_cache_equal_the_training_pass(tiny):
 
 def test_msa_heads_roundtrip_and_config(tiny, tmp_path):
     model, tok = tiny
-    heads = new_heads(model.backbone, tok, 2, scale=0.1, seed=2, architecture="msa", stream_layers=2, adapter_size=4)
+    heads = new_heads(
+        model.backbone, tok, 2, scale=0.1, seed=2, architecture="msa", stream_layers=2, adapter_size=4
+    )
     save_heads(heads, tmp_path / "h")
     loaded = load_heads(tmp_path / "h")
     assert loaded.attends and loaded.config.stream_layers == 2 and loaded.config.adapter_size == 4

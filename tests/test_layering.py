@@ -10,18 +10,48 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # folders installed into the mlx_stream namespace (pyproject.toml: package-dir)
-MAPPED = {"heads": "mlx_stream.heads", "convert": "mlx_stream.convert", "train": "mlx_stream.train",
-          "mlx_stream": "mlx_stream"}
+MAPPED = {
+    "heads": "mlx_stream.heads",
+    "convert": "mlx_stream.convert",
+    "train": "mlx_stream.train",
+    "mlx_stream": "mlx_stream",
+}
 # lowest first; a module may import its own layer and the layers below
 LAYERS = [
-    ("base", {"mlx_stream.defaults", "mlx_stream.files", "mlx_stream.prompts", "mlx_stream.workers",
-              "mlx_stream.env", "mlx_stream.tree", "mlx_stream.verify", "mlx_stream.sampling",
-              "mlx_stream.cache", "mlx_stream.lookup", "mlx_stream.adaptive", "mlx_stream.models"}),
+    (
+        "base",
+        {
+            "mlx_stream.defaults",
+            "mlx_stream.files",
+            "mlx_stream.prompts",
+            "mlx_stream.workers",
+            "mlx_stream.env",
+            "mlx_stream.tree",
+            "mlx_stream.verify",
+            "mlx_stream.sampling",
+            "mlx_stream.cache",
+            "mlx_stream.lookup",
+            "mlx_stream.adaptive",
+            "mlx_stream.models",
+        },
+    ),
     ("heads", {"mlx_stream.heads"}),
     ("convert", {"mlx_stream.convert"}),
-    ("runtime", {"mlx_stream.model", "mlx_stream.drafters", "mlx_stream.speculation", "mlx_stream.generate",
-                 "mlx_stream.chat", "mlx_stream.repl", "mlx_stream.loader", "mlx_stream.cost",
-                 "mlx_stream.autotree", "mlx_stream.bench"}),
+    (
+        "runtime",
+        {
+            "mlx_stream.model",
+            "mlx_stream.drafters",
+            "mlx_stream.speculation",
+            "mlx_stream.generate",
+            "mlx_stream.chat",
+            "mlx_stream.repl",
+            "mlx_stream.loader",
+            "mlx_stream.cost",
+            "mlx_stream.autotree",
+            "mlx_stream.bench",
+        },
+    ),
     ("train", {"mlx_stream.train"}),
     ("cli", {"mlx_stream.cli"}),
 ]
@@ -51,7 +81,9 @@ def _graph() -> dict[str, set[str]]:
                 base = node.module or ""
                 if node.level:
                     parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                    base = ".".join(
+                        parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])
+                    )
                 targets = [base] + [f"{base}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -81,7 +113,9 @@ def _reach(graph, starts) -> set[str]:
 
 def test_inference_never_reaches_training_code():
     graph = _graph()
-    reached = _reach(graph, ["mlx_stream.generate", "mlx_stream.loader", "mlx_stream.chat", "mlx_stream.repl"])
+    reached = _reach(
+        graph, ["mlx_stream.generate", "mlx_stream.loader", "mlx_stream.chat", "mlx_stream.repl"]
+    )
     assert "mlx_stream.generate" in reached and "mlx_stream.heads.io" in reached  # the walk itself works
     assert not [m for m in reached if m.startswith("mlx_stream.train")]
 
@@ -132,9 +166,13 @@ def test_no_import_cycles():
 
 
 def test_imports_go_down_the_layers():
-    upward = [f"{a} ({LAYERS[_layer(a)][0]}) -> {b} ({LAYERS[_layer(b)][0]})"
-              for a, deps in _graph().items() if a not in FACADES
-              for b in deps - FACADES if _layer(b) > _layer(a)]
+    upward = [
+        f"{a} ({LAYERS[_layer(a)][0]}) -> {b} ({LAYERS[_layer(b)][0]})"
+        for a, deps in _graph().items()
+        if a not in FACADES
+        for b in deps - FACADES
+        if _layer(b) > _layer(a)
+    ]
     assert not upward
 
 

@@ -1,8 +1,8 @@
 """A long-lived process (an app, a chat left open): memory plateaus, behaviour does not drift."""
 
 import mlx.core as mx
-
 from helpers import ours
+
 from mlx_stream.heads import new_heads
 
 PROMPTS = ["The quick brown fox", "Speculative decoding drafts", "0123 café", "heads, trees!"]
@@ -34,6 +34,8 @@ def test_300_generations_memory_plateaus_and_tau_holds(tiny):
     # after the first 20 generations, neither MLX's active memory nor the process grows by > 10%
     assert max(active[20:]) <= 1.1 * max(active[:20]) + 1.0, (max(active[:20]), max(active[20:]))
     assert max(rss[20:]) <= 1.1 * max(rss[:20]), (max(rss[:20]), max(rss[20:]))
-    print(f"active MB after generation 20/100/200/300: {active[19]:.1f} {active[99]:.1f} {active[199]:.1f} "
-          f"{active[299]:.1f}; RSS MB: {rss[19]:.0f} {rss[99]:.0f} {rss[199]:.0f} {rss[299]:.0f}; "
-          f"probe tau {first[-1].tau:.3f} -> {last[-1].tau:.3f}")
+    print(
+        f"active MB after generation 20/100/200/300: {active[19]:.1f} {active[99]:.1f} {active[199]:.1f} "
+        f"{active[299]:.1f}; RSS MB: {rss[19]:.0f} {rss[99]:.0f} {rss[199]:.0f} {rss[299]:.0f}; "
+        f"probe tau {first[-1].tau:.3f} -> {last[-1].tau:.3f}"
+    )

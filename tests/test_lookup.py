@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from helpers import SelfDrafter, assert_greedy_identical, mlx_lm_greedy, ours
+
 from mlx_stream import stream_generate
 from mlx_stream.drafters import LookupDrafter, NoDrafter, propose
 from mlx_stream.heads import new_heads
@@ -44,7 +44,11 @@ def test_no_match_and_limits():
     assert prompt_lookup([4, 1, 2, 3, 1, 2], 2, min_ngram=1) == [3, 1]
     assert match_suffix([4, 1, 2, 3, 2], 3, 1) == (1, 3)
     assert prompt_lookup([4, 1, 2, 3, 2], 5, min_ngram=1) == []  # a 1-token match copies nothing
-    for bad in [dict(num_draft=-1), dict(num_draft=2, min_ngram=0), dict(num_draft=2, max_ngram=1, min_ngram=2)]:
+    for bad in [
+        dict(num_draft=-1),
+        dict(num_draft=2, min_ngram=0),
+        dict(num_draft=2, max_ngram=1, min_ngram=2),
+    ]:
         with pytest.raises(ValueError):
             prompt_lookup([1, 2, 1, 2], **bad)
 
@@ -201,14 +205,14 @@ def test_chains_that_are_not_accepted_stop_being_drafted(tiny):
     h = np.zeros(model.args.hidden_size, dtype=np.float32)
     ctx = [4, 5, 6, 7, 8, 9, 4, 5, 6]
     drafted = []
-    for step in range(24):
+    for _step in range(24):
         t, drafts = propose(d, h, ctx, 8)
         drafted.append(t.size > 1)
         d.observe(t, [6] + drafts.tolist(), [1])  # nothing accepted: the target said 1
     assert d.accept_rate < d.min_accept
     # from the prior (0.25), four misses in a row bring the rate below 0.1; then one try in 4 matches
     assert all(drafted[:4]) and not drafted[4] and sum(drafted[12:]) == 3
-    for step in range(8):  # the copies start being accepted: drafting resumes
+    for _step in range(8):  # the copies start being accepted: drafting resumes
         t, drafts = propose(d, h, ctx, 8)
         if t.size > 1:
             d.observe(t, [6] + drafts.tolist(), drafts.tolist() + [2])
@@ -237,7 +241,9 @@ class _Fixed:
 
 def test_the_gate_credits_only_tokens_the_chain_adds():
     ctx = [4, 5, 6, 7, 8, 9, 4, 5, 6]  # the chain copies 7, 8, 9
-    d = LookupDrafter(_Fixed([(0,)], [7]), num_draft=3, prior=0.5, decay=1.0, min_accept=0.0)  # rate: the last step
+    d = LookupDrafter(
+        _Fixed([(0,)], [7]), num_draft=3, prior=0.5, decay=1.0, min_accept=0.0
+    )  # rate: the last step
     t, drafts = propose(d, None, ctx, 8)
     toks = [6] + drafts.tolist()
     assert t.size == 5 and sorted(toks[1:]) == [7, 7, 8, 9]

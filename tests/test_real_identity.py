@@ -3,13 +3,9 @@ with the shipped trained heads (their own tree), random heads, an oracle drafter
 drafter wrong at every depth, the output equals plain mlx-lm's greedy output token for
 token, 20 prompts x 128 tokens."""
 
-from pathlib import Path
-
 import pytest
-
-import mlx_stream
-
 from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+
 from mlx_stream import OracleDrafter, chain
 from mlx_stream.heads import new_heads
 from mlx_stream.prompts import BUILTIN_PROMPTS, load_prompts
@@ -43,7 +39,9 @@ def random_heads(real):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("i", [i if i in QUICK else pytest.param(i, marks=pytest.mark.slow) for i in range(len(PROMPTS))])
+@pytest.mark.parametrize(
+    "i", [i if i in QUICK else pytest.param(i, marks=pytest.mark.slow) for i in range(len(PROMPTS))]
+)
 def test_greedy_identity_real(real, shipped_heads, random_heads, i):
     model, tok = real
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i]}], add_generation_prompt=True)
@@ -82,8 +80,9 @@ def test_greedy_identity_real_with_processors(real, shipped_heads, i):
 
     model, tok = real
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i]}], add_generation_prompt=True)
-    procs = make_logits_processors(logit_bias={tok.encode(" the")[0]: -4.0}, repetition_penalty=1.3,
-                                   presence_penalty=0.2)
+    procs = make_logits_processors(
+        logit_bias={tok.encode(" the")[0]: -4.0}, repetition_penalty=1.3, presence_penalty=0.2
+    )
     ref_lp = []
     ref = mlx_lm_greedy(model, tok, ids, 64, logits_processors=procs, logprobs=ref_lp)
     assert ref != mlx_lm_greedy(model, tok, ids, 64)  # the processors change the text

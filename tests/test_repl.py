@@ -55,8 +55,10 @@ def session(tiny):
 
 def test_banner_states_the_settings_and_eof_exits(session):
     out, err, read = chat(session)
-    assert out.startswith("mlx-stream chat: tiny (plain decoding). Replies up to 5 tokens, greedy "
-                          "(--max-tokens, --temp to change). /help for commands")
+    assert out.startswith(
+        "mlx-stream chat: tiny (plain decoding). Replies up to 5 tokens, greedy "
+        "(--max-tokens, --temp to change). /help for commands"
+    )
     assert err == "" and read.asked == 1 and session.messages == []
 
 
@@ -82,12 +84,21 @@ def test_double_slash_sends_a_message_that_starts_with_a_slash(session):
     assert err.count("tokens,") == 2
 
 
-@pytest.mark.parametrize("line,parsed", [
-    ("", ("empty", "")), ("  \t", ("empty", "")), ("hi /x", ("message", "hi /x")),
-    ("//", ("message", "/")), ("  //reset  ", ("message", "/reset  ")), ("/ 3", ("message", "/ 3")),
-    ("/2 is a fraction", ("message", "/2 is a fraction")), ("/quit", ("command", "/exit")),
-    ("/Reset", ("command", "/reset")), ("/x-y", ("error", "unknown command /x-y; /help lists the commands")),
-])
+@pytest.mark.parametrize(
+    "line,parsed",
+    [
+        ("", ("empty", "")),
+        ("  \t", ("empty", "")),
+        ("hi /x", ("message", "hi /x")),
+        ("//", ("message", "/")),
+        ("  //reset  ", ("message", "/reset  ")),
+        ("/ 3", ("message", "/ 3")),
+        ("/2 is a fraction", ("message", "/2 is a fraction")),
+        ("/quit", ("command", "/exit")),
+        ("/Reset", ("command", "/reset")),
+        ("/x-y", ("error", "unknown command /x-y; /help lists the commands")),
+    ],
+)
 def test_parse_line(line, parsed):
     assert parse_line(line) == parsed
 
@@ -147,19 +158,27 @@ def test_a_value_error_is_printed_and_the_loop_goes_on(session):
 # --- the terminal: process group and history -------------------------------------------------
 
 # the subprocesses load repl.py by itself (standard library only): importing the package takes seconds
-_LOAD = ("import importlib.util as _u; "
-         f"_s = _u.spec_from_file_location('repl', {str(ROOT / 'mlx_stream' / 'repl.py')!r}); "
-         "repl = _u.module_from_spec(_s); _s.loader.exec_module(repl)\n")
+_LOAD = (
+    "import importlib.util as _u; "
+    f"_s = _u.spec_from_file_location('repl', {str(ROOT / 'mlx_stream' / 'repl.py')!r}); "
+    "repl = _u.module_from_spec(_s); _s.loader.exec_module(repl)\n"
+)
 
 
 def _python(code: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _LOAD + textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120, **kw)
+    return subprocess.run(
+        [sys.executable, "-c", _LOAD + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("stdin", [subprocess.DEVNULL, subprocess.PIPE])
 def test_foreground_group_is_a_no_op_without_a_terminal(stdin):
-    r = _python("""
+    r = _python(
+        """
         import os
         own_foreground_group = repl.own_foreground_group
         before = os.getpgrp()
@@ -168,7 +187,9 @@ def test_foreground_group_is_a_no_op_without_a_terminal(stdin):
             assert not taken and os.getpgrp() == before
         assert os.getpgrp() == before
         print("ok")
-    """, stdin=stdin)
+    """,
+        stdin=stdin,
+    )
     assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
 
 
@@ -178,7 +199,9 @@ r = subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]])
 print("PARENT-ALIVE", r.returncode, flush=True)
 """
 
-_CHILD = _LOAD + """
+_CHILD = (
+    _LOAD
+    + """
 import contextlib, os, sys, time
 cm = repl.own_foreground_group() if sys.argv[1] == "own" else contextlib.nullcontext(False)
 with cm as taken:
@@ -189,6 +212,7 @@ with cm as taken:
         print("CHILD-GOT-INT", flush=True)
 print("RESTORED", os.tcgetpgrp(0) == os.getppid(), flush=True)
 """
+)
 
 
 def _in_a_terminal(mode: str) -> str:
@@ -255,8 +279,12 @@ def test_history_is_kept_bounded_private_and_never_fatal(tmp_path):
             pass
         print("ok")
     """
-    r = subprocess.run([sys.executable, "-c", _LOAD + textwrap.dedent(code), str(hist)], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _LOAD + textwrap.dedent(code), str(hist)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["3 line 2", "ok"]
     assert len([ln for ln in hist.read_text().splitlines() if not ln.startswith("_HiStOrY_")]) == 3

@@ -9,10 +9,10 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import SelfDrafter, mlx_lm_greedy, ours
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from scipy.stats import chisquare
 
-from helpers import SelfDrafter, mlx_lm_greedy, ours
 from mlx_stream import load, stream_generate
 from mlx_stream.heads import new_heads
 from mlx_stream.sampling import SamplingParams, log_softmax, process_logits
@@ -74,8 +74,17 @@ def sample_outcomes(model, tok, ids, kw, processors, n, verifier=None):
     counts = {}
     for seed in range(n):
         toks, eos = [], False
-        for r in stream_generate(model, tok, ids, max_tokens=TOKENS + 1, drafter=drafter, seed=seed,
-                                 logits_processors=processors, verifier=verifier, **kw):
+        for r in stream_generate(
+            model,
+            tok,
+            ids,
+            max_tokens=TOKENS + 1,
+            drafter=drafter,
+            seed=seed,
+            logits_processors=processors,
+            verifier=verifier,
+            **kw,
+        ):
             toks.extend(r.tokens)
             eos = r.finish_reason == "stop"
         out = tuple(toks[:TOKENS]) + ((eos_id,) if eos and len(toks) < TOKENS else ())
@@ -99,8 +108,10 @@ def test_sampled_tokens_follow_the_plain_distribution(spread, name):
     bins = exact_bins(model, tok, ids, SamplingParams(**kw), procs, N_SAMPLES)
     counts = sample_outcomes(model, tok, ids, kw, procs, N_SAMPLES)
     stat, p, dof = chi_square(counts, bins, N_SAMPLES)
-    print(f"\n{name}: chi2 {stat:.1f}, dof {dof}, p {p:.3f}, top outcome share "
-          f"{max(counts.values()) / N_SAMPLES:.3f}")
+    print(
+        f"\n{name}: chi2 {stat:.1f}, dof {dof}, p {p:.3f}, top outcome share "
+        f"{max(counts.values()) / N_SAMPLES:.3f}"
+    )
     assert len(bins) >= 20  # the test has bins to speak of
     assert p > ALPHA, f"{name}: speculative sampling differs from plain sampling (chi2 {stat:.1f}, p {p:.2e})"
 
@@ -144,10 +155,16 @@ def test_the_same_test_rejects_a_biased_verifier(spread, verifier):
     assert p < ALPHA, f"{verifier.__name__} went undetected (p {p:.3f})"
 
 
-@pytest.mark.parametrize("kw", [
-    {"temp": 1.0}, {"temp": 0.7, "top_p": 0.9}, {"temp": 1.0, "top_k": 5}, {"temp": 0.8, "min_p": 0.1},
-    {"temp": 1.3, "top_p": 0.5, "top_k": 20, "min_p": 0.02},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temp": 1.0},
+        {"temp": 0.7, "top_p": 0.9},
+        {"temp": 1.0, "top_k": 5},
+        {"temp": 0.8, "min_p": 0.1},
+        {"temp": 1.3, "top_p": 0.5, "top_k": 20, "min_p": 0.02},
+    ],
+)
 def test_distribution_is_mlx_lm_samplers(kw):
     """SamplingParams.distribution is what mlx-lm's make_sampler draws from."""
     mx.random.seed(5)
@@ -171,7 +188,9 @@ def test_processors_see_each_nodes_own_history():
     node_tokens = mx.array([3, 7, 9, 7, 12], dtype=mx.int32)
     history = mx.array([1, 2, 3], dtype=mx.int32)
     procs = make_logits_processors(logit_bias={4: 2.0}, repetition_penalty=1.7)
-    got = process_logits(procs, history, node_tokens, [mx.array(p, dtype=mx.int32) for p in tree.paths], logits)
+    got = process_logits(
+        procs, history, node_tokens, [mx.array(p, dtype=mx.int32) for p in tree.paths], logits
+    )
     for i, path in enumerate(tree.paths):
         hist = [1, 2, 3] + [int(node_tokens[j]) for j in path]
         row = logits[i : i + 1]
@@ -188,15 +207,26 @@ def test_processors_see_each_nodes_own_history():
 def test_greedy_identity_with_every_processor(spread, tree):
     model, tok, _ = spread
     model.heads = new_heads(model.backbone, tok, 3, scale=0.5, seed=3)
-    procs = make_logits_processors(logit_bias={5: 3.0, 17: -2.0}, repetition_penalty=1.5,
-                                   presence_penalty=0.3, frequency_penalty=0.2)
+    procs = make_logits_processors(
+        logit_bias={5: 3.0, 17: -2.0}, repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2
+    )
     for prompt in ["The quick brown fox", "0123 café"]:
         ids = tok.encode(prompt)
         ref = mlx_lm_greedy(model.backbone, tok, ids, 40, logits_processors=procs)
         assert ref != mlx_lm_greedy(model.backbone, tok, ids, 40)  # the processors matter here
         for drafter in (None, SelfDrafter(model, parse_tree(tree, 3))):
-            got, _ = ours(model, tok, ids, 40, tree=tree, drafter=drafter, logits_processors=procs,
-                          top_k=3, top_p=0.5, min_p=0.2)  # filters do nothing when greedy
+            got, _ = ours(
+                model,
+                tok,
+                ids,
+                40,
+                tree=tree,
+                drafter=drafter,
+                logits_processors=procs,
+                top_k=3,
+                top_p=0.5,
+                min_p=0.2,
+            )  # filters do nothing when greedy
             assert got == ref
 
 
@@ -226,7 +256,9 @@ def test_logprobs_equal_plain_decoding(spread):
         assert lps[k] == pytest.approx(float(log_softmax(row)[0, t]), abs=1e-4)
 
 
-@pytest.mark.parametrize("kw", [{"temp": 1.0}, {"temp": 0.7, "top_p": 0.9}, {"temp": 1.0, "top_k": 5, "min_p": 0.05}])
+@pytest.mark.parametrize(
+    "kw", [{"temp": 1.0}, {"temp": 0.7, "top_p": 0.9}, {"temp": 1.0, "top_k": 5, "min_p": 0.05}]
+)
 def test_seeded_speculative_output_is_plain_output(spread, kw):
     """Uniforms keyed by (seed, position): whatever is drafted, a seeded run emits the
     tokens plain decoding emits with that seed (drafts accepted, tokens identical)."""
@@ -237,8 +269,16 @@ def test_seeded_speculative_output_is_plain_output(spread, kw):
     try:
         for seed in range(12):
             plain, _ = ours(model, tok, ids, 24, seed=seed, logits_processors=procs, tree="none", **kw)
-            spec, rs = ours(model, tok, ids, 24, seed=seed, logits_processors=procs,
-                            drafter=SelfDrafter(model, parse_tree(TREE, 2)), **kw)
+            spec, rs = ours(
+                model,
+                tok,
+                ids,
+                24,
+                seed=seed,
+                logits_processors=procs,
+                drafter=SelfDrafter(model, parse_tree(TREE, 2)),
+                **kw,
+            )
             heads, _ = ours(model, tok, ids, 24, seed=seed, logits_processors=procs, tree="0;1;0,0", **kw)
             assert spec == plain == heads, seed
             accepted += sum(r.accepted for r in rs)
@@ -266,9 +306,16 @@ def test_seeded_runs_repeat_whatever_else_runs(spread):
 
 def test_bad_sampling_parameters_are_refused(tiny):
     model, tok = tiny
-    for kw, msg in [({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
-                    ({"top_k": 10_000}, "vocabulary"), ({"min_p": 2.0}, "min_p"), ({"temp": float("nan")}, "temp"),
-                    ({"min_tokens_to_keep": 0}, "min_tokens_to_keep"), ({"seed": -1}, "seed"),
-                    ({"seed": 1.5}, "seed")]:
+    for kw, msg in [
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 10_000}, "vocabulary"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"temp": float("nan")}, "temp"),
+        ({"min_tokens_to_keep": 0}, "min_tokens_to_keep"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1.5}, "seed"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             next(stream_generate(model, tok, "hi", max_tokens=5, **({"temp": 1.0} | kw)))

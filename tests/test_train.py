@@ -7,8 +7,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_stream.heads import load_heads, new_heads
-from mlx_stream.train import (TrainConfig, build_features_from_ids, implied_tau, load_features,
-                              stream_loss, targets_for, train_heads)
+from mlx_stream.train import (
+    TrainConfig,
+    build_features_from_ids,
+    implied_tau,
+    load_features,
+    stream_loss,
+    targets_for,
+    train_heads,
+)
 from mlx_stream.train.data import split, to_example
 from mlx_stream.train.loss import head_weights
 
@@ -40,8 +47,9 @@ def test_bad_dataset_lines_are_named(tmp_path):
 
 
 def test_data_formats_and_split():
-    assert to_example({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) == {
-        "prompt": [{"role": "user", "content": "q"}], "completion": "a"}
+    assert to_example(
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    ) == {"prompt": [{"role": "user", "content": "q"}], "completion": "a"}
     assert to_example({"prompt": "p", "completion": "c"}) == {"prompt": "p", "completion": "c"}
     assert to_example({"text": "t"}) == {"prompt": "", "completion": "t"}
     with pytest.raises(ValueError, match="expected"):
@@ -61,7 +69,9 @@ def test_each_head_learns_its_own_offset(tiny, tmp_path, arch, kl):
     model, tok = tiny
     feats = _cycle_features(model, tmp_path)
     heads = new_heads(model.backbone, tok, K, architecture=arch)
-    cfg = TrainConfig(num_heads=K, epochs=60, batch_size=64, lr=3e-3, warmup=10, checkpoint_every=0, kl_weight=kl)
+    cfg = TrainConfig(
+        num_heads=K, epochs=60, batch_size=64, lr=3e-3, warmup=10, checkpoint_every=0, kl_weight=kl
+    )
     report = train_heads(model, heads, feats, tmp_path / "run", cfg, valid=feats, progress=False)
     # (the KL term pulls toward the random tiny backbone's own distribution, so a little less)
     assert min(report["valid"]["top1"]) > (0.97 if kl == 0 else 0.9), report["valid"]
@@ -89,7 +99,8 @@ def test_backbone_frozen_and_every_head_gets_gradient(tiny, tmp_path, arch):
 
     h, t = mx.array(np.asarray(feats.hidden[:32])), mx.array(np.asarray(feats.targets[:32]))
     _, grads = nn.value_and_grad(
-        heads, lambda a, b: stream_loss(model, heads, a, b, head_weights(K), path=b[:, :K]))(h, t)
+        heads, lambda a, b: stream_loss(model, heads, a, b, head_weights(K), path=b[:, :K])
+    )(h, t)
     out_weight = "linear.weight" if arch == "residual" else "out.weight"
     for j in range(K):
         g = dict(tree_flatten(grads))[f"heads.{j}.0.{out_weight}"]
@@ -197,8 +208,9 @@ def test_batched_generation_is_plain_greedy_and_keeps_the_hidden_states(tiny):
         assert g.finish_reason == ("stop" if g.tokens[-1] in eos else "length")
         seq = ids + g.tokens
         h, _ = model.family.prefill_hidden(model.backbone, mx.array(seq), make_prompt_cache(model.backbone))
-        np.testing.assert_allclose(g.hidden.astype(np.float32), np.array(h[len(ids) - 1 : len(seq) - 1]),
-                                   atol=2e-2, rtol=1e-2)  # float16 storage
+        np.testing.assert_allclose(
+            g.hidden.astype(np.float32), np.array(h[len(ids) - 1 : len(seq) - 1]), atol=2e-2, rtol=1e-2
+        )  # float16 storage
     with pytest.raises(ValueError, match="at least one token"):
         list(generate_batch(model, [[]], 4))
 
@@ -207,8 +219,10 @@ def test_feature_writer_resumes_after_a_kill(tmp_path):
     from mlx_stream.train.features import FeatureWriter
 
     rng = np.random.default_rng(0)
-    seqs = [(rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, 9, size=(n, 3)).astype(np.int32))
-            for n in (3, 5, 2)]
+    seqs = [
+        (rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, 9, size=(n, 3)).astype(np.int32))
+        for n in (3, 5, 2)
+    ]
     w = FeatureWriter(tmp_path / "f", 4, 2, dtype="float32")
     for i, (h, t) in enumerate(seqs[:2]):
         w.add(h, t, {"index": i})
@@ -241,7 +255,9 @@ def test_kl_term_uses_the_backbone_distribution_at_t_plus_j(tiny):
     w = head_weights(1)
     base, _ = stream_loss(model, heads, h, t, w)
     same, _ = stream_loss(model, heads, h, t, w, teacher=h[:, None], kl_weight=1.0)
-    other, _ = stream_loss(model, heads, h, t, w, teacher=mx.random.normal((6, 1, model.args.hidden_size)), kl_weight=1.0)
+    other, _ = stream_loss(
+        model, heads, h, t, w, teacher=mx.random.normal((6, 1, model.args.hidden_size)), kl_weight=1.0
+    )
     assert abs(float(same) - float(base)) < 1e-4 and float(other) > float(base) + 1e-3
 
 

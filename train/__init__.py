@@ -9,12 +9,23 @@ defaults without loading the rest).
 from importlib import import_module
 
 _EXPORTS = {
-    "FeatureCache": ".features", "build_features": ".features", "build_features_from_ids": ".features",
-    "load_features": ".features", "targets_for": ".features",
-    "read_jsonl": ".data", "self_distill": ".data", "split": ".data", "synthesize_prompts": ".data",
-    "to_example": ".data", "write_jsonl": ".data",
-    "head_weights": ".loss", "stream_loss": ".loss",
-    "TrainConfig": ".config", "evaluate": ".trainer", "implied_tau": ".trainer", "train_heads": ".trainer",
+    "FeatureCache": ".features",
+    "build_features": ".features",
+    "build_features_from_ids": ".features",
+    "load_features": ".features",
+    "targets_for": ".features",
+    "read_jsonl": ".data",
+    "self_distill": ".data",
+    "split": ".data",
+    "synthesize_prompts": ".data",
+    "to_example": ".data",
+    "write_jsonl": ".data",
+    "head_weights": ".loss",
+    "stream_loss": ".loss",
+    "TrainConfig": ".config",
+    "evaluate": ".trainer",
+    "implied_tau": ".trainer",
+    "train_heads": ".trainer",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -41,14 +41,26 @@ class TrainConfig:
 
     def __post_init__(self):
         """Raises ``ValueError`` naming the first setting out of range."""
-        at_least = {"num_heads": 1, "num_layers": 1, "batch_size": 1, "grad_accum": 1, "warmup": 0,
-                    "checkpoint_every": 0, "seed": 0}
+        at_least = {
+            "num_heads": 1,
+            "num_layers": 1,
+            "batch_size": 1,
+            "grad_accum": 1,
+            "warmup": 0,
+            "checkpoint_every": 0,
+            "seed": 0,
+        }
         for name, low in at_least.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
-        for name, positive in (("epochs", True), ("lr", True), ("head_decay", True), ("weight_decay", False),
-                               ("kl_weight", False)):
+        for name, positive in (
+            ("epochs", True),
+            ("lr", True),
+            ("head_decay", True),
+            ("weight_decay", False),
+            ("kl_weight", False),
+        ):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and (v > 0 if positive else v >= 0)):
                 raise ValueError(f"{name} must be a number {'> 0' if positive else '>= 0'}, got {v!r}")

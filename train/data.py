@@ -14,12 +14,10 @@ Three sources, all saved as jsonl rows ``{"prompt": str, "completion": str}``:
 from __future__ import annotations
 
 import json
-import os
 import random
-import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from mlx_stream.files import atomic_write
 from mlx_stream.prompts import prompt_ids, read_jsonl  # noqa: F401 (re-exported)
@@ -29,6 +27,7 @@ _SENTINEL = "\u2063MLXSTREAM\u2063"
 
 def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
     """Write rows atomically (temporary file beside ``path``, then rename)."""
+
     def write(tmp: Path) -> None:
         with tmp.open("w", encoding="utf-8") as f:
             for r in rows:
@@ -75,15 +74,26 @@ def user_prefix(tokenizer) -> str:
         ValueError: the tokenizer has no chat template.
     """
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("this model has no chat template, so prompts cannot be self-synthesised: "
-                         "give prompts with --data (jsonl)")
+        raise ValueError(
+            "this model has no chat template, so prompts cannot be self-synthesised: "
+            "give prompts with --data (jsonl)"
+        )
     text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
     return text[: text.index(_SENTINEL)]
 
 
-def synthesize_prompts(model, tokenizer, n: int, seed: int = 0, max_tokens: int = 96,
-                       temp: float = 1.0, top_p: float = 0.95, batch_size: int = 64,
-                       exclude: Iterable[str] = (), log=None) -> list[str]:
+def synthesize_prompts(
+    model,
+    tokenizer,
+    n: int,
+    seed: int = 0,
+    max_tokens: int = 96,
+    temp: float = 1.0,
+    top_p: float = 0.95,
+    batch_size: int = 64,
+    exclude: Iterable[str] = (),
+    log=None,
+) -> list[str]:
     """Sample ``n`` distinct user prompts from the chat template's user prefix
     (Magpie, Xu et al. 2024, sec. 2.1): the aligned model, shown only the start of a
     user turn, writes a plausible user query. Queries that do not end within
@@ -116,8 +126,9 @@ def synthesize_prompts(model, tokenizer, n: int, seed: int = 0, max_tokens: int 
         rounds += 1
         want = max(2 * (n - len(out)), batch_size)
         # completion order is deterministic too; stop as soon as enough are kept
-        for _, g in generate_batch(model, [prefix] * want, max_tokens, sampler=sampler, eos_ids=eos,
-                                   batch_size=batch_size):
+        for _, g in generate_batch(
+            model, [prefix] * want, max_tokens, sampler=sampler, eos_ids=eos, batch_size=batch_size
+        ):
             q = tokenizer.decode([t for t in g.tokens if t not in eos]).strip()
             if g.finish_reason != "stop" or len(q.split()) < 3 or q.lower() in seen:
                 continue
@@ -131,7 +142,9 @@ def synthesize_prompts(model, tokenizer, n: int, seed: int = 0, max_tokens: int 
     return out
 
 
-def self_distill(model, tokenizer, prompts: Sequence, max_tokens: int = 256, batch_size: int = 32) -> list[dict]:
+def self_distill(
+    model, tokenizer, prompts: Sequence, max_tokens: int = 256, batch_size: int = 32
+) -> list[dict]:
     """Greedy completions of ``prompts`` by the frozen backbone (continuous batching).
 
     Returns rows ``{"prompt": prompt, "completion": text}`` in the order of ``prompts``.
@@ -143,5 +156,7 @@ def self_distill(model, tokenizer, prompts: Sequence, max_tokens: int = 256, bat
     eos = set(tokenizer.eos_token_ids)
     ids = [prompt_ids(tokenizer, p) for p in prompts]
     done = dict(generate_batch(model, ids, max_tokens, eos_ids=eos, batch_size=batch_size))
-    return [{"prompt": p, "completion": tokenizer.decode([t for t in done[i].tokens if t not in eos])}
-            for i, p in enumerate(prompts)]
+    return [
+        {"prompt": p, "completion": tokenizer.decode([t for t in done[i].tokens if t not in eos])}
+        for i, p in enumerate(prompts)
+    ]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -68,8 +68,16 @@ def targets_for(ids: Sequence[int], start: int, num_heads: int) -> np.ndarray:
     return out
 
 
-def build_features(model, tokenizer, rows: Sequence[dict], out_dir: str | Path, num_heads: int,
-                   dtype: str = "float16", fingerprint: dict | None = None, progress=None) -> FeatureCache:
+def build_features(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    out_dir: str | Path,
+    num_heads: int,
+    dtype: str = "float16",
+    fingerprint: dict | None = None,
+    progress=None,
+) -> FeatureCache:
     """Run the frozen backbone once over every ``{"prompt", "completion"}`` row (through
     the chat template, EOS appended) and write the feature cache; see
     :func:`build_features_from_ids`."""
@@ -100,8 +108,14 @@ class FeatureWriter:
         ValueError: an unknown ``dtype``, or a partial folder built for another K or H.
     """
 
-    def __init__(self, out_dir: str | Path, hidden_size: int, num_heads: int, dtype: str = "float16",
-                 resume: bool = False):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        hidden_size: int,
+        num_heads: int,
+        dtype: str = "float16",
+        resume: bool = False,
+    ):
         if dtype not in ("float16", "float32"):
             raise ValueError(f"feature dtype must be float16 or float32, got {dtype!r}")
         self.out_dir = Path(out_dir)
@@ -125,12 +139,17 @@ class FeatureWriter:
         assert len(self.rows) == n, "a committed sequence without its row"
         self.sequences, self.positions = n, int(lengths[:n].sum())
         rows_bytes = sum(len(line.encode("utf-8")) for line in lines[:n])
-        for name, nbytes in (("lengths.bin", n * 8), ("rows.jsonl", rows_bytes),
-                             ("hidden.bin", self.positions * self.H * self.dtype.itemsize),
-                             ("targets.bin", self.positions * (self.K + 1) * 4)):
+        for name, nbytes in (
+            ("lengths.bin", n * 8),
+            ("rows.jsonl", rows_bytes),
+            ("hidden.bin", self.positions * self.H * self.dtype.itemsize),
+            ("targets.bin", self.positions * (self.K + 1) * 4),
+        ):
             with open(self.tmp / name, "ab") as f:
                 f.truncate(nbytes)
-        self._files = {n: open(self.tmp / n, "ab") for n in ("hidden.bin", "targets.bin", "rows.jsonl", "lengths.bin")}
+        self._files = {
+            n: open(self.tmp / n, "ab") for n in ("hidden.bin", "targets.bin", "rows.jsonl", "lengths.bin")
+        }
 
     def add(self, hidden: np.ndarray, targets: np.ndarray, row: dict | None = None) -> None:
         """Append one sequence: ``hidden`` ``(n, H)``, ``targets`` ``(n, K + 1)`` int32 and
@@ -153,10 +172,16 @@ class FeatureWriter:
         """Append a whole finished cache (its ``rows.jsonl`` too, when it kept one)."""
         assert cache.hidden.shape[1] == self.H and cache.num_heads >= self.K
         rp = cache.path / "rows.jsonl" if cache.path else None
-        rows = [json.loads(line) for line in rp.read_text(encoding="utf-8").splitlines()] if rp and rp.is_file() else []
+        rows = (
+            [json.loads(line) for line in rp.read_text(encoding="utf-8").splitlines()]
+            if rp and rp.is_file()
+            else []
+        )
         f = self._files
         for i in range(0, len(cache), 65536):
-            f["hidden.bin"].write(np.ascontiguousarray(cache.hidden[i : i + 65536], dtype=self.dtype).tobytes())
+            f["hidden.bin"].write(
+                np.ascontiguousarray(cache.hidden[i : i + 65536], dtype=self.dtype).tobytes()
+            )
             f["targets.bin"].write(np.ascontiguousarray(cache.targets[i : i + 65536, : self.K + 1]).tobytes())
         f["rows.jsonl"].write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
         for name in ("hidden.bin", "targets.bin", "rows.jsonl"):
@@ -182,12 +207,21 @@ class FeatureWriter:
         if self.positions == 0:
             raise ValueError("no training positions: every sequence has an empty completion")
         _bin_to_npy(self.tmp / "hidden.bin", self.tmp / "hidden.npy", self.dtype, (self.positions, self.H))
-        _bin_to_npy(self.tmp / "targets.bin", self.tmp / "targets.npy", np.dtype(np.int32),
-                    (self.positions, self.K + 1))
+        _bin_to_npy(
+            self.tmp / "targets.bin",
+            self.tmp / "targets.npy",
+            np.dtype(np.int32),
+            (self.positions, self.K + 1),
+        )
         for name in ("lengths.bin", "shape.json") + (() if keep_rows else ("rows.jsonl",)):
             (self.tmp / name).unlink()
-        meta = {"num_heads": self.K, "positions": self.positions, "sequences": self.sequences,
-                "dtype": self.dtype.name, "fingerprint": fingerprint or {}}
+        meta = {
+            "num_heads": self.K,
+            "positions": self.positions,
+            "sequences": self.sequences,
+            "dtype": self.dtype.name,
+            "fingerprint": fingerprint or {},
+        }
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         if self.out_dir.exists():
             shutil.rmtree(self.out_dir)
@@ -195,8 +229,15 @@ class FeatureWriter:
         return load_features(self.out_dir)
 
 
-def build_features_from_ids(model, sequences, out_dir: str | Path, num_heads: int, dtype: str = "float16",
-                            fingerprint: dict | None = None, progress=None) -> FeatureCache:
+def build_features_from_ids(
+    model,
+    sequences,
+    out_dir: str | Path,
+    num_heads: int,
+    dtype: str = "float16",
+    fingerprint: dict | None = None,
+    progress=None,
+) -> FeatureCache:
     """Run the frozen backbone once over ``(ids, start)`` sequences (positions from
     ``start - 1`` on are kept) and write the feature cache (through a
     :class:`FeatureWriter`, so an interrupted build leaves nothing that looks complete).
@@ -213,7 +254,9 @@ def build_features_from_ids(model, sequences, out_dir: str | Path, num_heads: in
         for i, (ids, start) in enumerate(sequences):
             if len(ids) - start < 1:
                 continue
-            h, _ = model.family.prefill_hidden(model.backbone, mx.array(ids), make_prompt_cache(model.backbone))
+            h, _ = model.family.prefill_hidden(
+                model.backbone, mx.array(ids), make_prompt_cache(model.backbone)
+            )
             h = np.array(h[max(start - 1, 0) : len(ids) - 1].astype(getattr(mx, dtype)))
             writer.add(h, targets_for(ids, start, num_heads))
             if progress:

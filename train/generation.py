@@ -12,8 +12,8 @@ rows are dropped from the batch as they end (``BatchKVCache.filter``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -36,9 +36,15 @@ class Generated:
     finish_reason: str
 
 
-def generate_batch(model, prompts: Sequence[Sequence[int]], max_tokens: int,
-                   sampler: Callable[[mx.array], mx.array] | None = None, eos_ids: Sequence[int] = (),
-                   keep_hidden: bool = False, batch_size: int = 32) -> Iterator[tuple[int, Generated]]:
+def generate_batch(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    eos_ids: Sequence[int] = (),
+    keep_hidden: bool = False,
+    batch_size: int = 32,
+) -> Iterator[tuple[int, Generated]]:
     """Generate from every prompt with continuous batching: up to ``batch_size``
     sequences decode together (one backbone forward per step for all of them);
     when a quarter of the rows have finished, the next prompts are prefilled and
@@ -85,8 +91,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_tokens: int,
         cache = [BatchKVCache(pad) for _ in bb.layers]
         return cache, *forward(x, cache)
 
-    pending = list(range(len(prompts)))[::-1]    # pop() takes the next prompt
-    rows: list[int] = []                          # batch row -> prompt index
+    pending = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
+    rows: list[int] = []  # batch row -> prompt index
     cache = h = tok = None
     tokens: dict[int, list[int]] = {}
     hidden: dict[int, list[np.ndarray]] = {}
@@ -112,8 +118,14 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_tokens: int,
             if keep_hidden:
                 hidden[i].append(hs[b])
             if t in eos or len(tokens[i]) >= max_tokens:
-                yield i, Generated(tokens.pop(i), np.stack(hidden.pop(i)) if keep_hidden else None,
-                                   "stop" if t in eos else "length")
+                yield (
+                    i,
+                    Generated(
+                        tokens.pop(i),
+                        np.stack(hidden.pop(i)) if keep_hidden else None,
+                        "stop" if t in eos else "length",
+                    ),
+                )
             else:
                 keep.append(b)
         if len(keep) < len(rows):

@@ -12,8 +12,9 @@ def head_weights(num_heads: int, decay: float = 0.8) -> mx.array:
     return mx.array([decay**j for j in range(num_heads)], dtype=mx.float32)
 
 
-def stream_logits(model, heads, hidden: mx.array, rows: mx.array | None = None,
-                  path: mx.array | None = None) -> mx.array:
+def stream_logits(
+    model, heads, hidden: mx.array, rows: mx.array | None = None, path: mx.array | None = None
+) -> mx.array:
     """``hidden`` ``(B, H)`` -> ``(K, B, V)`` logits of each head through the frozen
     output projection (only its ``rows``, ``(V', H)``, for a reduced draft vocabulary).
     ``path``: int ``(B, K)`` tokens ``x_{t+1..t+K}`` (teacher forcing for hydra heads;
@@ -34,9 +35,17 @@ def draft_vocab_lut(heads, vocab_size: int) -> mx.array | None:
     return lut
 
 
-def stream_loss(model, heads, hidden: mx.array, targets: mx.array, weights: mx.array,
-                rows: mx.array | None = None, path: mx.array | None = None,
-                teacher: mx.array | None = None, kl_weight: float = 0.0) -> tuple[mx.array, mx.array]:
+def stream_loss(
+    model,
+    heads,
+    hidden: mx.array,
+    targets: mx.array,
+    weights: mx.array,
+    rows: mx.array | None = None,
+    path: mx.array | None = None,
+    teacher: mx.array | None = None,
+    kl_weight: float = 0.0,
+) -> tuple[mx.array, mx.array]:
     """Multi-stream cross-entropy (Speculative Streaming, Bhendawade et al. 2024,
     eq. 5, with the backbone frozen so the main-stream term is constant), optionally
     plus ``kl_weight`` times KL(p || q_j) from the backbone's own next-token

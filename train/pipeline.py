@@ -56,8 +56,17 @@ def _synth_worker(model_spec: str, dtype: str, n: int, seed: int, path: Path) ->
     write_jsonl(({"prompt": p} for p in synthesize_prompts(model, tokenizer, n, seed=seed, log=log)), path)
 
 
-def load_rows(model, tokenizer, out: Path, data: str | None, synthesize: int, seed: int, workers: int = 1,
-              model_spec: str | None = None, dtype: str = "float32") -> list[dict]:
+def load_rows(
+    model,
+    tokenizer,
+    out: Path,
+    data: str | None,
+    synthesize: int,
+    seed: int,
+    workers: int = 1,
+    model_spec: str | None = None,
+    dtype: str = "float32",
+) -> list[dict]:
     """The dataset's rows: the user's jsonl normalised to ``{"prompt", "completion"}``,
     or ``synthesize`` Magpie prompts (saved once as ``data/prompts.jsonl``, of which a
     rerun uses the first ``synthesize``; with ``workers`` > 1, worker w samples its
@@ -75,7 +84,9 @@ def load_rows(model, tokenizer, out: Path, data: str | None, synthesize: int, se
         if workers > 1 and model_spec is not None:
             paths = [out / "data" / f".prompts.{w}.jsonl" for w in range(workers)]
             shares = [synthesize // workers + (w < synthesize % workers) for w in range(workers)]
-            _in_processes(_synth_worker, [(model_spec, dtype, shares[w], seed + w, paths[w]) for w in range(workers)])
+            _in_processes(
+                _synth_worker, [(model_spec, dtype, shares[w], seed + w, paths[w]) for w in range(workers)]
+            )
             # round-robin, so the first 2m prompts of any run are those of a run asked for 2m
             per = [[r["prompt"] for r in read_jsonl(path)] for path in paths]
             seen, prompts = set(), []
@@ -99,8 +110,17 @@ def load_rows(model, tokenizer, out: Path, data: str | None, synthesize: int, se
     return rows
 
 
-def distill_part(model, tokenizer, rows: list[dict], todo: list[int], part: Path, num_heads: int,
-                 max_tokens: int, batch_size: int, label: str = "") -> None:
+def distill_part(
+    model,
+    tokenizer,
+    rows: list[dict],
+    todo: list[int],
+    part: Path,
+    num_heads: int,
+    max_tokens: int,
+    batch_size: int,
+    label: str = "",
+) -> None:
     """Self-distil ``rows[i]`` for ``i`` in ``todo`` into the feature cache folder ``part``
     (hidden states kept from the generation itself; ``rows.jsonl`` beside them holds
     ``{"index", "prompt", "completion"}``). Resumes a partial part; returns at once
@@ -114,16 +134,24 @@ def distill_part(model, tokenizer, rows: list[dict], todo: list[int], part: Path
         prompts = [prompt_ids(tokenizer, rows[i]["prompt"]) for i in todo]
         eos = set(tokenizer.eos_token_ids)
         total, n0, tic, last = len(done) + len(todo), writer.positions, time.perf_counter(), 0.0
-        for k, g in generate_batch(model, prompts, max_tokens, eos_ids=eos, keep_hidden=True, batch_size=batch_size):
+        for k, g in generate_batch(
+            model, prompts, max_tokens, eos_ids=eos, keep_hidden=True, batch_size=batch_size
+        ):
             i, ids = todo[k], prompts[k] + g.tokens
             text = tokenizer.decode([t for t in g.tokens if t not in eos])
-            writer.add(g.hidden, targets_for(ids, len(prompts[k]), num_heads),
-                       {"index": i, "prompt": rows[i]["prompt"], "completion": text})
+            writer.add(
+                g.hidden,
+                targets_for(ids, len(prompts[k]), num_heads),
+                {"index": i, "prompt": rows[i]["prompt"], "completion": text},
+            )
             now = time.perf_counter() - tic
             if now - last > 60 or writer.sequences == total:
                 last = now
-                _log(f"{label}self-distilled {writer.sequences}/{total} sequences, {writer.positions} positions, "
-                     f"{(writer.positions - n0) / now:.1f} tok/s")
+                _log(
+                    f"{label}self-distilled {writer.sequences}/{total} sequences, "
+                    f"{writer.positions} positions, "
+                    f"{(writer.positions - n0) / now:.1f} tok/s"
+                )
         writer.finish(keep_rows=True)
     finally:
         writer.close()
@@ -136,9 +164,21 @@ def _worker(model_spec: str, dtype: str, rows, todo, part, num_heads, max_tokens
     distill_part(model, tokenizer, rows, todo, part, num_heads, max_tokens, batch_size, label)
 
 
-def build_split(model, tokenizer, rows: list[dict], out: Path, name: str, num_heads: int, distill: bool,
-                max_tokens: int, batch_size: int, fingerprint: dict, workers: int = 1,
-                model_spec: str | None = None, dtype: str = "float32"):
+def build_split(
+    model,
+    tokenizer,
+    rows: list[dict],
+    out: Path,
+    name: str,
+    num_heads: int,
+    distill: bool,
+    max_tokens: int,
+    batch_size: int,
+    fingerprint: dict,
+    workers: int = 1,
+    model_spec: str | None = None,
+    dtype: str = "float32",
+):
     """Features (and ``data/<name>.jsonl``) for one split, resuming a partial build.
 
     Rows with a prompt get the backbone's own greedy completion when ``distill`` is
@@ -155,8 +195,10 @@ def build_split(model, tokenizer, rows: list[dict], out: Path, name: str, num_he
     digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
     stamp = parts_dir / "rows.sha256"
     if stamp.is_file() and stamp.read_text() != digest:
-        raise ValueError(f"{parts_dir}: an interrupted run on a different dataset (other --data, --synthesize or "
-                         f"--seed); rerun it with the same options, or delete {parts_dir} to start this one")
+        raise ValueError(
+            f"{parts_dir}: an interrupted run on a different dataset (other --data, --synthesize or "
+            f"--seed); rerun it with the same options, or delete {parts_dir} to start this one"
+        )
     parts_dir.mkdir(parents=True, exist_ok=True)
     stamp.write_text(digest)
     started = {d.name.split(".")[0] for d in parts_dir.iterdir() if d.is_dir()}
@@ -167,10 +209,27 @@ def build_split(model, tokenizer, rows: list[dict], out: Path, name: str, num_he
     shares = [todo[w :: len(parts)] for w in range(len(parts))]
     if len(parts) == 1 or model_spec is None:
         for w, part in enumerate(parts):
-            distill_part(model, tokenizer, rows, shares[w], part, num_heads, max_tokens, batch_size, f"{name}: ")
+            distill_part(
+                model, tokenizer, rows, shares[w], part, num_heads, max_tokens, batch_size, f"{name}: "
+            )
     else:
-        _in_processes(_worker, [(model_spec, dtype, rows, shares[w], part, num_heads, max_tokens, batch_size,
-                                 f"{name} [{w + 1}/{len(parts)}]: ") for w, part in enumerate(parts)])
+        _in_processes(
+            _worker,
+            [
+                (
+                    model_spec,
+                    dtype,
+                    rows,
+                    shares[w],
+                    part,
+                    num_heads,
+                    max_tokens,
+                    batch_size,
+                    f"{name} [{w + 1}/{len(parts)}]: ",
+                )
+                for w, part in enumerate(parts)
+            ],
+        )
     writer = FeatureWriter(out / "features" / name, model.state_size, num_heads)
     try:
         for i, row in enumerate(rows):
@@ -185,7 +244,9 @@ def build_split(model, tokenizer, rows: list[dict], out: Path, name: str, num_he
         for part in parts:
             writer.extend(load_features(part))
         kept = sorted(writer.rows, key=lambda r: r["index"])
-        write_jsonl(({k: v for k, v in r.items() if k != "index"} for r in kept), out / "data" / f"{name}.jsonl")
+        write_jsonl(
+            ({k: v for k, v in r.items() if k != "index"} for r in kept), out / "data" / f"{name}.jsonl"
+        )
         feats = writer.finish(fingerprint)
     finally:
         writer.close()
@@ -202,8 +263,13 @@ def choose_draft_vocab(feats, size: int) -> tuple[np.ndarray, float]:
     return ids, float(counts[ids].sum() / max(counts.sum(), 1))
 
 
-def check_run_settings(max_tokens: int = 256, workers: int = 1, gen_batch_size: int = 32, draft_vocab: int = 0,
-                       architecture: str = "hydra") -> None:
+def check_run_settings(
+    max_tokens: int = 256,
+    workers: int = 1,
+    gen_batch_size: int = 32,
+    draft_vocab: int = 0,
+    architecture: str = "hydra",
+) -> None:
     """Check :func:`run`'s data and heads settings before anything is loaded or written.
 
     Raises:
@@ -217,19 +283,37 @@ def check_run_settings(max_tokens: int = 256, workers: int = 1, gen_batch_size: 
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 0:
-        raise ValueError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab!r}")
+        raise ValueError(
+            f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab!r}"
+        )
     if architecture == "msa":
-        raise ValueError("msa heads train on whole sequences and are not trained by `mlx-stream train`; they are "
-                         "compared in benchmarks/compare_heads.py (README: hydra heads are better with a frozen "
-                         "backbone)")
+        raise ValueError(
+            "msa heads train on whole sequences and are not trained by `mlx-stream train`; they are "
+            "compared in benchmarks/compare_heads.py (README: hydra heads are better with a frozen "
+            "backbone)"
+        )
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; use one of: hydra, residual")
 
 
-def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = None, synthesize: int = 512,
-        distill: bool = True, max_tokens: int = 256, valid_fraction: float = 0.05, resume: bool = False,
-        dtype: str = "float32", progress: bool = True, draft_vocab: int = 0, architecture: str = "hydra",
-        gen_batch_size: int = 32, workers: int = 1, tune: bool = True) -> dict:
+def run(
+    model_spec: str,
+    out: str | Path,
+    cfg: TrainConfig,
+    data: str | None = None,
+    synthesize: int = 512,
+    distill: bool = True,
+    max_tokens: int = 256,
+    valid_fraction: float = 0.05,
+    resume: bool = False,
+    dtype: str = "float32",
+    progress: bool = True,
+    draft_vocab: int = 0,
+    architecture: str = "hydra",
+    gen_batch_size: int = 32,
+    workers: int = 1,
+    tune: bool = True,
+) -> dict:
     """Train stream heads for ``model_spec``; see the module docstring for the layout.
     With ``tune``, the heads are saved with the draft tree that scores best on the
     held-out data and this machine's forward costs (:func:`tune_tree`).
@@ -242,8 +326,13 @@ def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = N
     from mlx_stream.loader import load
     from mlx_stream.tree import chain, sparse
 
-    check_run_settings(max_tokens=max_tokens, workers=workers, gen_batch_size=gen_batch_size,
-                       draft_vocab=draft_vocab, architecture=architecture)
+    check_run_settings(
+        max_tokens=max_tokens,
+        workers=workers,
+        gen_batch_size=gen_batch_size,
+        draft_vocab=draft_vocab,
+        architecture=architecture,
+    )
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not resume:
         raise ValueError(f"{out}: holds a previous run; pass --resume to continue it or choose another --out")
@@ -256,14 +345,30 @@ def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = N
             feats[name] = load_features(out / "features" / name)
         except FileNotFoundError:
             if splits is None:
-                rows = load_rows(model, tokenizer, out, data, synthesize, cfg.seed, workers, model_spec, dtype)
+                rows = load_rows(
+                    model, tokenizer, out, data, synthesize, cfg.seed, workers, model_spec, dtype
+                )
                 splits = dict(zip(("train", "valid"), split(rows, valid_fraction, cfg.seed)))
-            feats[name] = build_split(model, tokenizer, splits[name], out, name, cfg.num_heads, distill,
-                                      max_tokens, gen_batch_size, fp, workers=workers, model_spec=model_spec,
-                                      dtype=dtype)
+            feats[name] = build_split(
+                model,
+                tokenizer,
+                splits[name],
+                out,
+                name,
+                cfg.num_heads,
+                distill,
+                max_tokens,
+                gen_batch_size,
+                fp,
+                workers=workers,
+                model_spec=model_spec,
+                dtype=dtype,
+            )
         if feats[name].num_heads < cfg.num_heads:
-            raise ValueError(f"{out / 'features' / name}: built for {feats[name].num_heads} heads; "
-                             f"delete it to rebuild for {cfg.num_heads}")
+            raise ValueError(
+                f"{out / 'features' / name}: built for {feats[name].num_heads} heads; "
+                f"delete it to rebuild for {cfg.num_heads}"
+            )
     data_s = time.perf_counter() - tic
     _log(f"{len(feats['train'])} training positions, {len(feats['valid'])} held out")
     ids, coverage = None, 1.0
@@ -274,11 +379,21 @@ def run(model_spec: str, out: str | Path, cfg: TrainConfig, data: str | None = N
     if resume and (out / "heads" / "config.json").is_file() and (out / "report.json").is_file():
         _log(f"{out / 'heads'} is already trained; delete it (and report.json) to train again")
         return json.loads((out / "report.json").read_text())
-    heads = new_heads(model.backbone, tokenizer, cfg.num_heads, cfg.num_layers, draft_ids=ids,
-                      architecture=architecture)
+    heads = new_heads(
+        model.backbone, tokenizer, cfg.num_heads, cfg.num_layers, draft_ids=ids, architecture=architecture
+    )
     trees = {"chain": chain(cfg.num_heads).choices, "sparse": sparse(cfg.num_heads).choices}
-    report = train_heads(model, heads, feats["train"], out, cfg, valid=feats["valid"], resume=resume,
-                         progress=progress, trees=trees)
+    report = train_heads(
+        model,
+        heads,
+        feats["train"],
+        out,
+        cfg,
+        valid=feats["valid"],
+        resume=resume,
+        progress=progress,
+        trees=trees,
+    )
     if tune and len(feats["valid"]):
         report["tree_search"] = tune_tree(model, heads, feats["valid"])
         best = report["tree_search"]["sizes"][report["tree_search"]["best"]]

@@ -96,9 +96,13 @@ def batch_tensors(seqs, idx, num_heads: int, lut: mx.array | None):
 def msa_logits(model, heads, x, positions, visible, root, rows=None) -> mx.array:
     """``(K, B, T, V or V')`` stream logits over a sequence batch (main stream frozen)."""
     fam = model.family
-    kv = [(mx.stop_gradient(k), mx.stop_gradient(v))
-          for k, v in fam.main_stream_kv(model.backbone, x, heads.config.stream_layers)]
-    return model.project(heads(fam.stream_hidden(model.backbone, heads, x, positions, kv, visible, root)), rows)
+    kv = [
+        (mx.stop_gradient(k), mx.stop_gradient(v))
+        for k, v in fam.main_stream_kv(model.backbone, x, heads.config.stream_layers)
+    ]
+    return model.project(
+        heads(fam.stream_hidden(model.backbone, heads, x, positions, kv, visible, root)), rows
+    )
 
 
 def _rows(model, heads):
@@ -107,8 +111,18 @@ def _rows(model, heads):
     return output_weight(model.backbone)[heads.draft_ids] if heads.config.draft_vocab_size else None
 
 
-def train_stream_heads(model, heads, seqs, epochs: float = 1.0, tokens: int = 512, lr: float = 1e-3,
-                       warmup: int = 30, head_decay: float = 0.8, seed: int = 0, log=print) -> dict:
+def train_stream_heads(
+    model,
+    heads,
+    seqs,
+    epochs: float = 1.0,
+    tokens: int = 512,
+    lr: float = 1e-3,
+    warmup: int = 30,
+    head_decay: float = 0.8,
+    seed: int = 0,
+    log=print,
+) -> dict:
     """Train "msa" heads on whole sequences (AdamW, warm-up + cosine; the multi-stream
     cross-entropy of :func:`train.loss.stream_loss`, hard labels). Returns
     ``{"steps", "wall_s", "positions_per_s", "final_loss"}``."""
@@ -128,8 +142,9 @@ def train_stream_heads(model, heads, seqs, epochs: float = 1.0, tokens: int = 51
     batches = sequence_batches(seqs, tokens)
     total = max(int(epochs * len(batches)), 1)
     warm = max(1, min(warmup, total // 5))
-    sched = optim.join_schedules([optim.linear_schedule(lr / warm, lr, warm),
-                                  optim.cosine_decay(lr, max(total - warm, 1))], [warm])
+    sched = optim.join_schedules(
+        [optim.linear_schedule(lr / warm, lr, warm), optim.cosine_decay(lr, max(total - warm, 1))], [warm]
+    )
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.0)
     rng = np.random.default_rng(seed)
     step, losses, positions, tic = 0, [], 0, time.perf_counter()
@@ -145,11 +160,17 @@ def train_stream_heads(model, heads, seqs, epochs: float = 1.0, tokens: int = 51
             losses.append(float(loss))
             positions += sum(len(seqs[i].ids) - seqs[i].start for i in batches[bi])
             if log and step % 25 == 0:
-                log(f"[msa] step {step}/{total} loss {np.mean(losses[-25:]):.3f} "
-                    f"{positions / (time.perf_counter() - tic):.0f} positions/s")
+                log(
+                    f"[msa] step {step}/{total} loss {np.mean(losses[-25:]):.3f} "
+                    f"{positions / (time.perf_counter() - tic):.0f} positions/s"
+                )
     wall = time.perf_counter() - tic
-    return {"steps": total, "wall_s": wall, "positions_per_s": positions / wall,
-            "final_loss": float(np.mean(losses[-20:]))}
+    return {
+        "steps": total,
+        "wall_s": wall,
+        "positions_per_s": positions / wall,
+        "final_loss": float(np.mean(losses[-20:])),
+    }
 
 
 def stream_ranks(model, heads, seqs, max_rank: int = 10) -> np.ndarray:

@@ -6,11 +6,9 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import shutil
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -77,8 +75,9 @@ def head_ranks(model, heads, feats: FeatureCache, batch_size: int = 512, max_ran
     return np.concatenate(all_ranks) if all_ranks else np.zeros((0, K), dtype=np.int32)
 
 
-def evaluate(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank: int = 10,
-             trees: dict | None = None) -> dict:
+def evaluate(
+    model, heads, feats: FeatureCache, batch_size: int = 512, max_rank: int = 10, trees: dict | None = None
+) -> dict:
     """Held-out per-head top-1/top-5 accuracy and the tau implied for each tree.
     Targets outside a reduced draft vocabulary count as misses.
 
@@ -91,7 +90,9 @@ def evaluate(model, heads, feats: FeatureCache, batch_size: int = 512, max_rank:
     out = {
         "positions": int(len(feats)),
         "top1": [float(((ranks[:, j] == 0) & valid[:, j]).sum() / n[j]) for j in range(K)],
-        "top5": [float(((ranks[:, j] >= 0) & (ranks[:, j] < 5) & valid[:, j]).sum() / n[j]) for j in range(K)],
+        "top5": [
+            float(((ranks[:, j] >= 0) & (ranks[:, j] < 5) & valid[:, j]).sum() / n[j]) for j in range(K)
+        ],
     }
     out["tau"] = {name: implied_tau(ranks, choices) for name, choices in (trees or {}).items()}
     return out
@@ -126,7 +127,10 @@ def tune_tree(model, heads, valid: FeatureCache, max_nodes: int = 15) -> dict:
 def _schedule(cfg: TrainConfig, total: int):
     warm = max(min(cfg.warmup, total - 1), 1)
     return optim.join_schedules(
-        [optim.linear_schedule(cfg.lr / warm, cfg.lr, warm), optim.cosine_decay(cfg.lr, max(total - warm, 1))],
+        [
+            optim.linear_schedule(cfg.lr / warm, cfg.lr, warm),
+            optim.cosine_decay(cfg.lr, max(total - warm, 1)),
+        ],
         [warm],
     )
 
@@ -148,9 +152,18 @@ def _load_checkpoint(path: Path, heads, opt) -> dict:
     return state
 
 
-def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: TrainConfig,
-                valid: FeatureCache | None = None, resume: bool = False, progress: bool = True,
-                trees: dict | None = None, stop_after: int | None = None) -> dict | None:
+def train_heads(
+    model,
+    heads,
+    train: FeatureCache,
+    out_dir: str | Path,
+    cfg: TrainConfig,
+    valid: FeatureCache | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    trees: dict | None = None,
+    stop_after: int | None = None,
+) -> dict | None:
     """Train ``heads`` (in place) on ``train``; the backbone is never updated.
 
     Writes ``out_dir/checkpoint`` every ``cfg.checkpoint_every`` optimizer steps (an
@@ -178,7 +191,9 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
     rows, lut = _draft_rows(model, heads), draft_vocab_lut(heads, model.args.vocab_size)
 
     def loss_fn(h, t, path, teacher):
-        return stream_loss(model, heads, h, t, weights, rows, path=path, teacher=teacher, kl_weight=cfg.kl_weight)
+        return stream_loss(
+            model, heads, h, t, weights, rows, path=path, teacher=teacher, kl_weight=cfg.kl_weight
+        )
 
     loss_and_grad = nn.value_and_grad(heads, loss_fn)
     ckpt = out_dir / "checkpoint"
@@ -202,13 +217,21 @@ def train_heads(model, heads, train: FeatureCache, out_dir: str | Path, cfg: Tra
         teacher = None
         if cfg.kl_weight > 0:  # h_{t+j}: the next rows of the same sequence (clipped rows are masked out)
             nxt = np.minimum(idx[:, None] + np.arange(1, heads.num_heads + 1)[None, :], P - 1)
-            teacher = mx.array(np.asarray(train.hidden[nxt.reshape(-1)]).reshape(len(idx), heads.num_heads, -1))
+            teacher = mx.array(
+                np.asarray(train.hidden[nxt.reshape(-1)]).reshape(len(idx), heads.num_heads, -1)
+            )
         return mx.array(np.asarray(train.hidden[idx])), tg, path[:, : heads.num_heads], teacher
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeRemainingColumn(), TextColumn("{task.fields[info]}"), disable=not progress)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        disable=not progress,
+    )
     tic, start_step = time.perf_counter(), step
     correct = np.zeros((heads.num_heads, 2))
     with bar:

@@ -126,8 +126,9 @@ def _stream_attention(attn, s, positions, keys, values, visible):
     return attn.o_proj(out.transpose(0, 1, 3, 2, 4).reshape(B, T, K, -1))
 
 
-def stream_hidden(backbone, heads, x: mx.array, positions: mx.array, kv, visible: mx.array,
-                  root: mx.array) -> mx.array:
+def stream_hidden(
+    backbone, heads, x: mx.array, positions: mx.array, kv, visible: mx.array, root: mx.array
+) -> mx.array:
     """Multi-stream attention through the backbone's top N_s layers (frozen) with the
     heads' stream embeddings and stream-only adapters (Bhendawade et al. 2024,
     sec. 3.1); see :class:`mlx_stream.heads.StreamHeads` ("msa").

@@ -69,8 +69,10 @@ class Attention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        q, k, v = (p(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))  # (B, H, L, D)
+        q, k, v = (
+            p(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )  # (B, H, L, D)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
@@ -180,10 +182,13 @@ def get_classes(config: dict):
 
 # the tree forward (the family interface, see mlx_stream.models)
 
+
 def _attention(attn, x, mask, cache):
     B, N, _ = x.shape
-    q, k, v = (p(x).reshape(B, N, attn.n_heads, -1).transpose(0, 2, 1, 3)
-               for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k, v = (
+        p(x).reshape(B, N, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        for p in (attn.q_proj, attn.k_proj, attn.v_proj)
+    )
     k, v = cache.update_and_fetch(k, v)  # (B, H, S, D)
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
     return attn.out_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
@@ -200,7 +205,9 @@ def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, ca
         ValueError: ``capture`` (multi-stream attention heads need a llama-family backbone).
     """
     if capture is not None:
-        raise ValueError("msa stream heads need a llama-family backbone; use residual or hydra heads with OPT")
+        raise ValueError(
+            "msa stream heads need a llama-family backbone; use residual or hydra heads with OPT"
+        )
     dec = backbone.model.decoder
     h = dec.embed(tokens[None], positions[None])  # (1, N, d)
     for layer, c in zip(dec.layers, cache):
@@ -218,7 +225,9 @@ def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, ca
 def prefill_hidden(backbone, tokens: mx.array, cache, capture: int | None = None):
     """``(hidden, None)`` after a causal prefill: ``hidden`` ``(L, word_embed_proj_dim)``."""
     if capture is not None:
-        raise ValueError("msa stream heads need a llama-family backbone; use residual or hydra heads with OPT")
+        raise ValueError(
+            "msa stream heads need a llama-family backbone; use residual or hydra heads with OPT"
+        )
     return backbone.model(tokens[None], cache)[0], None
 
 

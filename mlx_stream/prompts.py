@@ -117,9 +117,20 @@ def select_prompts(
         else ``None``.
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`load_prompts` / :func:`load_spec_bench`.
+        FileNotFoundError, ValueError: as :func:`load_prompts` / :func:`load_spec_bench`;
+            ``limit`` or ``per_group`` below 1, or no prompt selected.
     """
+    for name, n in (("limit", limit), ("per_group", per_group)):
+        if n is not None and n < 1:
+            raise ValueError(f"{name} must be >= 1, got {n}")
     if spec == "spec-bench":
         items = load_spec_bench(None, per_group)
-        return [it["prompt"] for it in items], [it["group"] for it in items]
-    return load_prompts(BUILTIN_PROMPTS if spec == "builtin" else Path(spec), limit), None
+        texts, groups = [it["prompt"] for it in items], [it["group"] for it in items]
+    else:
+        try:
+            texts, groups = load_prompts(BUILTIN_PROMPTS if spec == "builtin" else Path(spec), limit), None
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{e}; --prompts takes a jsonl file, 'builtin' or 'spec-bench'") from e
+    if not texts:
+        raise ValueError(f"{spec}: no prompts selected")
+    return texts, groups

@@ -279,8 +279,8 @@ def run_chat(
             editing = stack.enter_context(line_editing())
         _say(
             out,
-            f"mlx-stream chat: {model_name} ({mode}). {settings}. "
-            "/help for commands, Ctrl-C stops a reply.\n",
+            f"mlx-stream chat: {model_name} ({mode}).\n"
+            f"{settings}. /help for commands, Ctrl-C stops a reply.\n",
         )
         while True:
             try:

@@ -56,7 +56,7 @@ def session(tiny):
 def test_banner_states_the_settings_and_eof_exits(session):
     out, err, read = chat(session)
     assert out.startswith(
-        "mlx-stream chat: tiny (plain decoding). Replies up to 5 tokens, greedy "
+        "mlx-stream chat: tiny (plain decoding).\nReplies up to 5 tokens, greedy "
         "(--max-tokens, --temp to change). /help for commands"
     )
     assert err == "" and read.asked == 1 and session.messages == []

@@ -89,13 +89,10 @@ def _converted(gguf: Path, name: str) -> Path:
     the first 12 hex digits of the file's sha256: every copy of the same weights (another
     clone, venv or file name) uses the same folder.
 
-    A folder is used only when complete: the conversion goes to a private hidden folder
-    that is renamed into place; if another process renamed its complete copy in first,
-    that one is used and ours is deleted.
+    A folder is used only when complete: :func:`~mlx_stream.convert.convert_gguf` writes it
+    through :func:`~mlx_stream.files.staged_folder` (a hidden folder renamed into place); a
+    process that finds another's complete copy in place when it starts uses that one.
     """
-    import shutil
-    import tempfile
-
     from .convert import convert_gguf
 
     key = _gguf_sha256(gguf)[:12]
@@ -107,17 +104,11 @@ def _converted(gguf: Path, name: str) -> Path:
     for other in sorted(models.glob(f"*-{key}")) if models.is_dir() else []:
         if not other.name.startswith(".") and (other / "config.json").is_file():
             return other
-    models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=models))
     try:
-        convert_gguf(gguf, tmp)
-        try:
-            os.rename(tmp, out)  # POSIX: fails when ``out`` is a non-empty folder
-        except OSError as e:
-            if not (out / "config.json").is_file():
-                raise OSError(f"{out}: exists but is not a complete conversion; remove it") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        convert_gguf(gguf, out)
+    except ValueError:  # another process's complete copy appeared first: use it
+        if not (out / "config.json").is_file():
+            raise
     return out
 
 

@@ -2,6 +2,7 @@
 (transformers' GGUF loader on torch CPU, which dequantises with the gguf package)."""
 
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -196,8 +197,9 @@ def test_conversion_cache_is_keyed_by_content(gguf_path, tmp_path, monkeypatch):
     assert out.name == f"model-{digest[:12]}"
 
 
-def test_conversion_cache_uses_the_folder_another_process_finished_first(tmp_path, monkeypatch):
+def test_conversion_cache_survives_another_process_finishing_first(tmp_path, monkeypatch):
     import mlx_stream.convert
+    from mlx_stream.files import staged_folder
     from mlx_stream.loader import resolve_model_path
 
     monkeypatch.setenv("MLX_STREAM_CACHE", str(tmp_path / "cache"))
@@ -205,15 +207,26 @@ def test_conversion_cache_uses_the_folder_another_process_finished_first(tmp_pat
     src.write_bytes(b"not really a gguf")
     models = tmp_path / "cache" / "models"
 
-    def racing_convert(gguf, out):
-        (out / "config.json").write_text('{"ours": true}')
-        # meanwhile another process renames its complete copy into place
-        theirs = models / out.name.split(".")[1]  # out is models/.m-<key>.<random>.partial
-        theirs.mkdir()
-        (theirs / "config.json").write_text('{"theirs": true}')
+    def racing_convert(gguf, out):  # convert_gguf's own staging, with a rival in the middle
+        with staged_folder(out) as tmp:
+            (tmp / "config.json").write_text('{"ours": true}')
+            out.mkdir(parents=True)  # meanwhile another process renames its complete copy in
+            (out / "config.json").write_text('{"theirs": true}')
         return out
 
     monkeypatch.setattr(mlx_stream.convert, "convert_gguf", racing_convert)
+    out = resolve_model_path(src)
+    assert json.loads((out / "config.json").read_text()) in ({"ours": True}, {"theirs": True})
+    assert [p.name for p in models.iterdir()] == [out.name]  # no half-made or stale folder left
+
+    def late_convert(gguf, out):  # the rival's copy is complete before this one starts writing
+        out.mkdir(parents=True)
+        (out / "config.json").write_text('{"theirs": true}')
+        with staged_folder(out) as tmp:  # refuses a non-empty folder (ValueError)
+            (tmp / "config.json").write_text('{"ours": true}')
+
+    shutil.rmtree(models)
+    monkeypatch.setattr(mlx_stream.convert, "convert_gguf", late_convert)
     out = resolve_model_path(src)
     assert json.loads((out / "config.json").read_text()) == {"theirs": True}
     assert [p.name for p in models.iterdir()] == [out.name]

@@ -38,6 +38,9 @@ class HeadConfig:
             (``{"0;1;0,0": 1.69, ...}``, written by training); ``tree="auto"`` picks the
             one with the best tau / cost on the device at hand
             (:func:`mlx_stream.autotree.auto_tree`).
+        trained_positions: training positions the heads have seen, summed over every
+            run that trained them (an epoch counts each position once more);
+            continued training (``mlx-stream train --init-heads``) adds to it.
     """
 
     num_heads: int
@@ -51,6 +54,7 @@ class HeadConfig:
     stream_layers: int = 2
     adapter_size: int = 128
     tree_taus: dict = field(default_factory=dict)
+    trained_positions: int = 0
 
     def __post_init__(self):
         if self.num_layers < 1:

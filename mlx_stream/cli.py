@@ -491,7 +491,17 @@ def train(
     max_tokens: int = typer.Option(256, "--max-tokens", help="Completion length for self-distillation."),
     workers: int = typer.Option(1, "--workers", help="Self-distillation processes (2 suits a 2-core CPU)."),
     gen_batch_size: int = typer.Option(
-        32, "--gen-batch-size", help="Sequences generated together per process."
+        64, "--gen-batch-size", help="Sequences generated together per process."
+    ),
+    soft_targets: int = typer.Option(
+        0,
+        "--soft-targets",
+        help="Store the backbone's top-K log-probabilities per position (e.g. 32) for --kl-weight; 0 = none.",
+    ),
+    init_heads: str | None = typer.Option(
+        None,
+        "--init-heads",
+        help="Continue training these heads (same architecture and backbone) on this data.",
     ),
     num_heads: int = typer.Option(_TC.num_heads, "--num-heads", "-k", help="Stream heads K."),
     architecture: str = typer.Option("hydra", "--architecture", help="Head architecture: hydra or residual."),
@@ -542,6 +552,7 @@ def train(
             "gen_batch_size": gen_batch_size,
             "draft_vocab": draft_vocab,
             "architecture": architecture,
+            "top_k": soft_targets,
         }
         check_run_settings(**settings)
     except ValueError as e:
@@ -558,6 +569,7 @@ def train(
             distill=distill,
             resume=resume,
             tune=tune,
+            init_heads=init_heads,
             **settings,
         )
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -1,9 +1,10 @@
 """Head training on the tiny model: label offsets, frozen backbone, gradients, resume."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_stream.heads import load_heads, new_heads
@@ -284,3 +285,90 @@ def test_msa_heads_learn_their_offsets_on_whole_sequences(tiny):
         assert (col[col != -1] == 0).mean() > 0.97 and (col == 0).sum() > 220, (j, col)
     after = dict(tree_flatten(model.backbone.parameters()))
     assert all(np.array_equal(before[k], np.array(after[k])) for k in before)
+
+
+def test_batched_generation_top_k_is_the_backbone_distribution(tiny):
+    """The top-k log-probabilities kept with each generated token are those of the
+    backbone's own next-token distribution at that position (descending; the top-1
+    id is the greedy token), also when finished rows wait in the batch for a refill."""
+    from mlx_stream.train.generation import generate_batch
+
+    model, tok = tiny
+    prompts = [
+        tok.encode(p) for p in ["The quick brown fox", "a", "heads, trees! 0123", "café", "drafts", "x y"]
+    ]
+    out = dict(generate_batch(model, prompts, 9, keep_hidden=True, batch_size=4, top_k=5, prefill_chunk=3))
+    assert sorted(out) == list(range(len(prompts)))
+    for i, ids in enumerate(prompts):
+        g = out[i]
+        assert g.top_ids.shape == g.top_logprobs.shape == (len(g.tokens), 5)
+        assert g.top_ids[:, 0].tolist() == g.tokens  # greedy: the most likely token
+        assert np.all(np.diff(g.top_logprobs.astype(np.float32), axis=1) <= 0)
+        seq = ids + g.tokens
+        h, _ = model.family.prefill_hidden(model.backbone, mx.array(seq), make_prompt_cache(model.backbone))
+        logp = np.array(nn.log_softmax(model.family.project(model.backbone, h[len(ids) - 1 : len(seq) - 1])))
+        np.testing.assert_allclose(
+            g.top_logprobs.astype(np.float32), np.take_along_axis(logp, g.top_ids, axis=1), atol=2e-2
+        )
+    with pytest.raises(ValueError, match="top_k"):
+        list(generate_batch(model, prompts, 2, top_k=model.args.vocab_size + 1))
+
+
+def test_teacher_forced_features_equal_one_prefill_per_sequence(tiny, tmp_path):
+    """Sequences batched with right padding (and split into passes) give the features
+    of one unpadded prefill each, top-k included."""
+    from mlx_stream.train.features import teacher_forced
+
+    model, _ = tiny
+    rng = np.random.default_rng(0)
+    seqs = [
+        (rng.integers(1, 250, n).tolist(), s)
+        for n, s in ((9, 3), (10, 1), (31, 30), (4, 2), (12, 12), (30, 5))
+    ]
+    got = {i: r for i, *r in teacher_forced(model, seqs, top_k=4, tokens_per_pass=24)}
+    assert sorted(got) == [0, 1, 2, 3, 5]  # sequence 4 has no completion positions
+    for i, (h, lp, ti) in got.items():
+        ids, start = seqs[i]
+        ref, _ = model.family.prefill_hidden(model.backbone, mx.array(ids), make_prompt_cache(model.backbone))
+        ref = ref[start - 1 : len(ids) - 1]
+        np.testing.assert_allclose(h.astype(np.float32), np.array(ref), atol=2e-2, rtol=1e-2)
+        logp = np.array(nn.log_softmax(model.family.project(model.backbone, ref)))
+        assert ti[:, 0].tolist() == logp.argmax(axis=1).tolist()
+        np.testing.assert_allclose(lp.astype(np.float32), np.take_along_axis(logp, ti, axis=1), atol=2e-2)
+    feats = build_features_from_ids(model, seqs, tmp_path / "f", K, top_k=4)
+    assert feats.top_k == 4 and feats.top_ids.shape == (len(feats), 4)
+    assert len(feats) == sum(len(ids) - s for ids, s in seqs)
+
+
+def test_stored_top_k_soft_targets_equal_the_recomputed_kl(tiny, tmp_path):
+    """With k = V the stored soft targets carry the whole distribution, so the loss
+    equals the one recomputed from the hidden states at t+j; with a small k it is
+    a truncated KL, still zero for heads that match the backbone."""
+    model, tok = tiny
+    V = model.args.vocab_size
+    seqs = [((CYCLE * 12)[s : s + 20], 1) for s in range(3)]
+    feats = build_features_from_ids(model, seqs, tmp_path / "f", 1, dtype="float32", top_k=V)
+    heads = new_heads(model.backbone, tok, 1)
+    rng = np.random.default_rng(1)  # heads that differ from the backbone
+    heads.update(
+        tree_unflatten(
+            [
+                (k, mx.array(rng.normal(0, 0.05, v.shape), dtype=mx.float32))
+                for k, v in tree_flatten(heads.trainable_parameters())
+            ]
+        )
+    )
+    idx = np.array([0, 3, 7, 11])
+    h = mx.array(np.asarray(feats.hidden[idx]))
+    t = mx.array(np.asarray(feats.targets[idx]))
+    w = head_weights(1)
+    teacher = mx.array(np.asarray(feats.hidden[idx + 1]))[:, None]
+    soft = (
+        mx.array(np.asarray(feats.top_logprobs[idx + 1]))[:, None],
+        mx.array(np.asarray(feats.top_ids[idx + 1]))[:, None],
+    )
+    base, _ = stream_loss(model, heads, h, t, w)
+    recomputed, _ = stream_loss(model, heads, h, t, w, teacher=teacher, kl_weight=1.0)
+    stored, _ = stream_loss(model, heads, h, t, w, kl_weight=1.0, soft=soft)
+    assert float(recomputed) > float(base) + 1e-3
+    assert abs(float(stored) - float(recomputed)) < 1e-2 * float(recomputed - base)

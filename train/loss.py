@@ -45,6 +45,7 @@ def stream_loss(
     path: mx.array | None = None,
     teacher: mx.array | None = None,
     kl_weight: float = 0.0,
+    soft: tuple[mx.array, mx.array] | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Multi-stream cross-entropy (Speculative Streaming, Bhendawade et al. 2024,
     eq. 5, with the backbone frozen so the main-stream term is constant), optionally
@@ -66,6 +67,12 @@ def stream_loss(
             when ``kl_weight > 0``; over a reduced vocabulary both distributions are
             renormalised on it.
         kl_weight: weight of the KL term (0: hard labels only).
+        soft: the stored soft targets instead of ``teacher``: ``(logprobs, ids)``, both
+            ``(B, K, k)``, the backbone's top-k log-probabilities at t+1..t+K and their
+            token ids (draft-vocabulary indices for a reduced vocabulary, -1 outside
+            it); p is renormalised over the ids present, so the KL is over the top-k
+            support (EAGLE's and Medusa-2's distillation of the target distribution,
+            truncated to its head as in top-k knowledge distillation).
 
     Returns:
         ``(loss, correct)``: the scalar weighted mean loss and ``(K, 2)`` counts of
@@ -77,7 +84,16 @@ def stream_loss(
     valid = labels >= 0
     ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0), reduction="none")  # (K, B)
     n = mx.maximum(valid.sum(axis=1), 1)
-    if kl_weight > 0:
+    if kl_weight > 0 and soft is not None:
+        lp, ids = (a.transpose(1, 0, 2) for a in soft)  # (K, B, k)
+        present = ids >= 0
+        logp = mx.where(present, lp.astype(mx.float32), -mx.inf)
+        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+        logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logq = mx.take_along_axis(logq, mx.maximum(ids, 0), axis=-1)
+        kl = mx.where(present, mx.exp(logp) * (logp - logq), 0.0).sum(axis=-1)
+        ce = ce + kl_weight * mx.where(present.any(axis=-1), kl, 0.0)
+    elif kl_weight > 0:
         p_logits = model.project(teacher.astype(mx.float32).transpose(1, 0, 2), rows)  # (K, B, V)
         logp = p_logits - mx.logsumexp(p_logits, axis=-1, keepdims=True)
         logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

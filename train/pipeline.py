@@ -32,7 +32,7 @@ import numpy as np
 from mlx_stream.workers import run_in_processes
 
 from .data import prompt_ids, read_jsonl, split, synthesize_prompts, to_example, write_jsonl
-from .features import FeatureWriter, load_features, sequence_ids, targets_for
+from .features import FeatureWriter, load_features, sequence_ids, targets_for, teacher_forced
 from .generation import generate_batch
 from .trainer import TrainConfig, train_heads, tune_tree
 
@@ -120,14 +120,15 @@ def distill_part(
     max_tokens: int,
     batch_size: int,
     label: str = "",
+    top_k: int = 0,
 ) -> None:
     """Self-distil ``rows[i]`` for ``i`` in ``todo`` into the feature cache folder ``part``
-    (hidden states kept from the generation itself; ``rows.jsonl`` beside them holds
-    ``{"index", "prompt", "completion"}``). Resumes a partial part; returns at once
-    when ``part`` is complete."""
+    (hidden states, and the top-``top_k`` log-probabilities, kept from the generation
+    itself; ``rows.jsonl`` beside them holds ``{"index", "prompt", "completion"}``).
+    Resumes a partial part; returns at once when ``part`` is complete."""
     if (part / "meta.json").is_file():
         return
-    writer = FeatureWriter(part, model.state_size, num_heads, resume=True)
+    writer = FeatureWriter(part, model.state_size, num_heads, resume=True, top_k=top_k)
     try:
         done = {r["index"] for r in writer.rows}
         todo = [i for i in todo if i not in done]
@@ -135,7 +136,7 @@ def distill_part(
         eos = set(tokenizer.eos_token_ids)
         total, n0, tic, last = len(done) + len(todo), writer.positions, time.perf_counter(), 0.0
         for k, g in generate_batch(
-            model, prompts, max_tokens, eos_ids=eos, keep_hidden=True, batch_size=batch_size
+            model, prompts, max_tokens, eos_ids=eos, keep_hidden=True, batch_size=batch_size, top_k=top_k
         ):
             i, ids = todo[k], prompts[k] + g.tokens
             text = tokenizer.decode([t for t in g.tokens if t not in eos])
@@ -143,6 +144,8 @@ def distill_part(
                 g.hidden,
                 targets_for(ids, len(prompts[k]), num_heads),
                 {"index": i, "prompt": rows[i]["prompt"], "completion": text},
+                g.top_logprobs,
+                g.top_ids,
             )
             now = time.perf_counter() - tic
             if now - last > 60 or writer.sequences == total:
@@ -157,11 +160,11 @@ def distill_part(
         writer.close()
 
 
-def _worker(model_spec: str, dtype: str, rows, todo, part, num_heads, max_tokens, batch_size, label):
+def _worker(model_spec: str, dtype: str, rows, todo, part, num_heads, max_tokens, batch_size, label, top_k):
     from mlx_stream.loader import load
 
     model, tokenizer = load(model_spec, dtype=dtype)
-    distill_part(model, tokenizer, rows, todo, part, num_heads, max_tokens, batch_size, label)
+    distill_part(model, tokenizer, rows, todo, part, num_heads, max_tokens, batch_size, label, top_k)
 
 
 def build_split(
@@ -178,15 +181,16 @@ def build_split(
     workers: int = 1,
     model_spec: str | None = None,
     dtype: str = "float32",
+    top_k: int = 0,
 ):
     """Features (and ``data/<name>.jsonl``) for one split, resuming a partial build.
 
     Rows with a prompt get the backbone's own greedy completion when ``distill`` is
     set or they have none: :func:`distill_part` over ``workers`` processes (each
-    loads ``model_spec``; on a CPU, two single-threaded processes generate ~1.6x
-    faster than one, since most of a batched step is not BLAS), each writing its own
-    part, merged here. Raw-text rows and rows kept as they are run through the
-    backbone once.
+    loads ``model_spec`` and decodes single-threaded), each writing its own part,
+    merged here. Raw-text rows and rows kept as they are run through the backbone
+    once, batched (:func:`mlx_stream.train.features.teacher_forced`). ``top_k`` > 0
+    also stores the backbone's top-k log-probabilities per position (soft targets).
     """
     needs = [r["prompt"] != "" and (distill or r["completion"] is None) for r in rows]
     todo = [i for i in range(len(rows)) if needs[i]]
@@ -210,7 +214,7 @@ def build_split(
     if len(parts) == 1 or model_spec is None:
         for w, part in enumerate(parts):
             distill_part(
-                model, tokenizer, rows, shares[w], part, num_heads, max_tokens, batch_size, f"{name}: "
+                model, tokenizer, rows, shares[w], part, num_heads, max_tokens, batch_size, f"{name}: ", top_k
             )
     else:
         _in_processes(
@@ -226,21 +230,18 @@ def build_split(
                     max_tokens,
                     batch_size,
                     f"{name} [{w + 1}/{len(parts)}]: ",
+                    top_k,
                 )
                 for w, part in enumerate(parts)
             ],
         )
-    writer = FeatureWriter(out / "features" / name, model.state_size, num_heads)
+    writer = FeatureWriter(out / "features" / name, model.state_size, num_heads, top_k=top_k)
     try:
-        for i, row in enumerate(rows):
-            if needs[i]:
-                continue
-            ids, start = sequence_ids(tokenizer, row)
-            if len(ids) - start < 1:
-                continue
-            h, _ = model.family.prefill_hidden(model.backbone, mx.array(ids), model.make_cache())
-            h = np.array(h[max(start - 1, 0) : len(ids) - 1].astype(mx.float16))
-            writer.add(h, targets_for(ids, start, num_heads), {"index": i, **row})
+        given = [i for i in range(len(rows)) if not needs[i]]
+        seqs = [sequence_ids(tokenizer, rows[i]) for i in given]
+        for k, h, lp, ti in teacher_forced(model, seqs, top_k):  # rows are re-sorted below
+            ids, start = seqs[k]
+            writer.add(h, targets_for(ids, start, num_heads), {"index": given[k], **rows[given[k]]}, lp, ti)
         for part in parts:
             writer.extend(load_features(part))
         kept = sorted(writer.rows, key=lambda r: r["index"])
@@ -263,17 +264,42 @@ def choose_draft_vocab(feats, size: int) -> tuple[np.ndarray, float]:
     return ids, float(counts[ids].sum() / max(counts.sum(), 1))
 
 
+def check_init_heads(config, cfg: TrainConfig, architecture: str, where: str) -> None:
+    """Check that heads saved with ``config`` can continue training under ``cfg``.
+
+    Raises:
+        ValueError: naming the first setting that differs (architecture, number of
+            heads, layers per head).
+    """
+    for name, have, want in (
+        ("architecture", config.architecture, architecture),
+        ("num_heads", config.num_heads, cfg.num_heads),
+        ("num_layers", config.num_layers, cfg.num_layers),
+    ):
+        if have != want:
+            flag = {
+                "architecture": "--architecture",
+                "num_heads": "--num-heads",
+                "num_layers": "--num-layers",
+            }
+            raise ValueError(
+                f"{where}: heads with {name} {have!r}, but this run asks for {want!r}; "
+                f"pass {flag[name]} {have} to continue them"
+            )
+
+
 def check_run_settings(
     max_tokens: int = 256,
     workers: int = 1,
-    gen_batch_size: int = 32,
+    gen_batch_size: int = 64,
     draft_vocab: int = 0,
     architecture: str = "hydra",
+    top_k: int = 0,
 ) -> None:
     """Check :func:`run`'s data and heads settings before anything is loaded or written.
 
     Raises:
-        ValueError: a count below 1 (``draft_vocab`` below 0), or an architecture that
+        ValueError: a count below 1 (``draft_vocab`` and ``top_k`` below 0), or an architecture that
             ``run`` does not train (msa heads train on whole sequences:
             ``benchmarks/compare_heads.py``).
     """
@@ -286,6 +312,8 @@ def check_run_settings(
         raise ValueError(
             f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab!r}"
         )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= 1024:
+        raise ValueError(f"soft targets (top_k) must be an integer in 0..1024 (0: none), got {top_k!r}")
     if architecture == "msa":
         raise ValueError(
             "msa heads train on whole sequences and are not trained by `mlx-stream train`; they are "
@@ -310,19 +338,27 @@ def run(
     progress: bool = True,
     draft_vocab: int = 0,
     architecture: str = "hydra",
-    gen_batch_size: int = 32,
+    gen_batch_size: int = 64,
     workers: int = 1,
     tune: bool = True,
+    top_k: int = 0,
+    init_heads: str | Path | None = None,
 ) -> dict:
     """Train stream heads for ``model_spec``; see the module docstring for the layout.
     With ``tune``, the heads are saved with the draft tree that scores best on the
-    held-out data and this machine's forward costs (:func:`tune_tree`).
+    held-out data and this machine's forward costs (:func:`tune_tree`). ``top_k`` > 0
+    stores the backbone's top-k log-probabilities with the features (the soft targets
+    that ``cfg.kl_weight`` weighs). ``init_heads`` continues training heads saved
+    before (same architecture, K, layers and backbone; their draft vocabulary is
+    kept) on this run's data; the report's ``positions_seen_total`` and the heads'
+    ``trained_positions`` add this run's positions to theirs.
 
     Raises:
         ValueError: ``out`` holds a previous run and ``resume`` is False; too few rows;
-            an unknown architecture.
+            an unknown architecture; ``init_heads`` of another shape or backbone.
+        FileNotFoundError: ``init_heads`` is not a heads folder.
     """
-    from mlx_stream.heads import backbone_fingerprint, new_heads, save_heads
+    from mlx_stream.heads import backbone_fingerprint, load_heads, new_heads, save_heads
     from mlx_stream.loader import load
     from mlx_stream.tree import chain, sparse
 
@@ -332,6 +368,7 @@ def run(
         gen_batch_size=gen_batch_size,
         draft_vocab=draft_vocab,
         architecture=architecture,
+        top_k=top_k,
     )
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not resume:
@@ -339,6 +376,10 @@ def run(
     tic = time.perf_counter()
     model, tokenizer = load(model_spec, dtype=dtype)
     fp = backbone_fingerprint(model.backbone, tokenizer)
+    init = None
+    if init_heads is not None:
+        init = load_heads(init_heads, fingerprint=fp)
+        check_init_heads(init.config, cfg, architecture, str(init_heads))
     feats, splits = {}, None
     for name in ("train", "valid"):
         try:
@@ -363,6 +404,7 @@ def run(
                 workers=workers,
                 model_spec=model_spec,
                 dtype=dtype,
+                top_k=top_k,
             )
         if feats[name].num_heads < cfg.num_heads:
             raise ValueError(
@@ -372,16 +414,28 @@ def run(
     data_s = time.perf_counter() - tic
     _log(f"{len(feats['train'])} training positions, {len(feats['valid'])} held out")
     ids, coverage = None, 1.0
-    if 0 < draft_vocab < model.args.vocab_size:
+    if init is not None:
+        heads = init
+        if heads.config.draft_vocab_size:
+            ids = np.array(heads.draft_ids)
+            counts = np.bincount(np.asarray(feats["train"].targets[:, 1:]).reshape(-1) + 1)[1:]
+            coverage = float(counts[ids[ids < len(counts)]].sum() / max(counts.sum(), 1))
+            _log(
+                f"draft vocabulary of {init_heads}: {len(ids)} tokens, "
+                f"covering {coverage:.1%} of training targets"
+            )
+    elif 0 < draft_vocab < model.args.vocab_size:
         ids, coverage = choose_draft_vocab(feats["train"], draft_vocab)
         _log(f"draft vocabulary: {len(ids)} tokens covering {coverage:.1%} of training targets")
         ids = mx.array(ids)
     if resume and (out / "heads" / "config.json").is_file() and (out / "report.json").is_file():
         _log(f"{out / 'heads'} is already trained; delete it (and report.json) to train again")
         return json.loads((out / "report.json").read_text())
-    heads = new_heads(
-        model.backbone, tokenizer, cfg.num_heads, cfg.num_layers, draft_ids=ids, architecture=architecture
-    )
+    if init is None:
+        heads = new_heads(
+            model.backbone, tokenizer, cfg.num_heads, cfg.num_layers, draft_ids=ids, architecture=architecture
+        )
+    seen_before = heads.config.trained_positions
     trees = {"chain": chain(cfg.num_heads).choices, "sparse": sparse(cfg.num_heads).choices}
     report = train_heads(
         model,
@@ -399,6 +453,9 @@ def run(
         best = report["tree_search"]["sizes"][report["tree_search"]["best"]]
         _log(f"tree for these heads: {best['tree']} (tau {best['tau']:.2f}, cost {best['cost']:.2f})")
         save_heads(heads, out / "heads", dtype=mx.float16)
+    report["init_heads"] = str(init_heads) if init_heads is not None else None
+    report["positions_seen_total"] = heads.config.trained_positions
+    report["positions_seen_before"] = seen_before
     report["total_wall_s"] = time.perf_counter() - tic
     report["data_and_features_s"] = data_s
     report["model"] = model_spec

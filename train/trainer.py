@@ -190,9 +190,9 @@ def train_heads(
 
     rows, lut = _draft_rows(model, heads), draft_vocab_lut(heads, model.args.vocab_size)
 
-    def loss_fn(h, t, path, teacher):
+    def loss_fn(h, t, path, teacher, soft):
         return stream_loss(
-            model, heads, h, t, weights, rows, path=path, teacher=teacher, kl_weight=cfg.kl_weight
+            model, heads, h, t, weights, rows, path=path, teacher=teacher, kl_weight=cfg.kl_weight, soft=soft
         )
 
     loss_and_grad = nn.value_and_grad(heads, loss_fn)
@@ -214,13 +214,16 @@ def train_heads(
         tg = path = mx.array(np.asarray(train.targets[idx, : heads.num_heads + 1]))
         if lut is not None:  # labels as draft-vocabulary indices, -1 (ignored) outside it
             tg = mx.where(tg >= 0, lut[mx.maximum(tg, 0)], -1)
-        teacher = None
-        if cfg.kl_weight > 0:  # h_{t+j}: the next rows of the same sequence (clipped rows are masked out)
-            nxt = np.minimum(idx[:, None] + np.arange(1, heads.num_heads + 1)[None, :], P - 1)
-            teacher = mx.array(
-                np.asarray(train.hidden[nxt.reshape(-1)]).reshape(len(idx), heads.num_heads, -1)
-            )
-        return mx.array(np.asarray(train.hidden[idx])), tg, path[:, : heads.num_heads], teacher
+        teacher = soft = None
+        if cfg.kl_weight > 0:  # rows t+j: the next rows of the same sequence (clipped rows are masked out)
+            nxt = np.minimum(idx[:, None] + np.arange(1, heads.num_heads + 1)[None, :], P - 1).reshape(-1)
+            if train.top_k:  # the stored top-k log-probabilities
+                lp = mx.array(np.asarray(train.top_logprobs[nxt]).reshape(len(idx), heads.num_heads, -1))
+                ids = mx.array(np.asarray(train.top_ids[nxt]).reshape(len(idx), heads.num_heads, -1))
+                soft = (lp, ids if lut is None else lut[ids])
+            else:  # the backbone's distribution recomputed from the hidden states h_{t+j}
+                teacher = mx.array(np.asarray(train.hidden[nxt]).reshape(len(idx), heads.num_heads, -1))
+        return mx.array(np.asarray(train.hidden[idx])), tg, path[:, : heads.num_heads], teacher, soft
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -264,6 +267,7 @@ def train_heads(
             if stop_after is not None and step - start_step >= stop_after and step < total_steps:
                 return None
     wall = time.perf_counter() - tic
+    heads.config.trained_positions += total_micro * cfg.batch_size
     save_heads(heads, out_dir / "heads", dtype=mx.float16)  # float16 on disk: half the size
     report = {
         "config": asdict(cfg),

@@ -1,0 +1,112 @@
+"""Throughput of `mlx-stream train`'s data stage (self-distillation with the hidden states
+kept), next to the matmul GFLOP/s this machine gives in the same run.
+
+    python benchmarks/data_engine.py --prompts benchmarks/data/magpie_256.jsonl \
+        --max-tokens 192 --workers 2 --batch-size 64 [--top-k 32]
+
+It runs ``mlx_stream.train.pipeline.build_split`` (what ``mlx-stream train`` runs for
+each split) on the given prompts into a temporary folder and prints one JSON line:
+positions kept (= generated tokens), prompt tokens, wall seconds, positions/s, the
+backbone's achieved GFLOP/s (2 x parameters per token, prompt and generated tokens,
+attention left out) and the float32 1024^3 matmul GFLOP/s of one thread measured
+before and after. The same script runs on older commits (it passes ``top_k`` only
+when asked), so before/after comparisons use the very same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+
+def matmul_gflops(n: int = 1024, reps: int = 7) -> float:
+    a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
+    mx.eval(a, b, a @ b)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval(a @ b)
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / float(np.median(times)) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", required=True, help="jsonl with a 'prompt' per line")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--heads", type=int, default=4, help="targets per position (K)")
+    args = ap.parse_args()
+
+    from mlx_stream.heads import backbone_fingerprint
+    from mlx_stream.loader import load
+    from mlx_stream.prompts import prompt_ids
+    from mlx_stream.train.pipeline import build_split
+
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    rows = [{"prompt": r["prompt"], "completion": None} for r in rows][: args.limit or None]
+    model, tokenizer = load(args.model, heads=None)
+    fp = backbone_fingerprint(model.backbone, tokenizer)
+    mm_before = matmul_gflops()
+    extra = {"top_k": args.top_k} if args.top_k else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tic = time.perf_counter()
+        feats = build_split(
+            model,
+            tokenizer,
+            rows,
+            Path(tmp),
+            "train",
+            args.heads,
+            True,
+            args.max_tokens,
+            args.batch_size,
+            fp,
+            workers=args.workers,
+            model_spec=args.model,
+            **extra,
+        )
+        wall = time.perf_counter() - tic
+        positions = len(feats)
+    mm_after = matmul_gflops()
+    prompt_tokens = sum(len(prompt_ids(tokenizer, r["prompt"])) for r in rows)
+    params = sum(layer_params(layer) for layer in model.backbone.layers)
+    flops_per_token = 2 * (params + model.args.vocab_size * model.state_size)
+    print(
+        json.dumps(
+            {
+                "prompts": len(rows),
+                "workers": args.workers,
+                "batch_size": args.batch_size,
+                "max_tokens": args.max_tokens,
+                "top_k": args.top_k,
+                "positions": positions,
+                "prompt_tokens": prompt_tokens,
+                "wall_s": round(wall, 1),
+                "positions_per_s": round(positions / wall, 1),
+                "achieved_gflops": round((positions + prompt_tokens) * flops_per_token / wall / 1e9, 1),
+                "gflop_per_token": round(flops_per_token / 1e9, 3),
+                "matmul_gflops_one_thread": [round(mm_before, 1), round(mm_after, 1)],
+            }
+        )
+    )
+
+
+def layer_params(layer) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(layer.parameters()))
+
+
+if __name__ == "__main__":
+    main()

@@ -195,6 +195,22 @@ def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
         "--json",
     )
     assert g.returncode == 0 and json.loads(g.stdout)["heads"] is True
+    # continued training: new data (here with soft targets), the same heads grow
+    more = tmp_path / "more"
+    cont = [a if a != str(out) else str(more) for a in args] + ["--soft-targets", "8", "--kl-weight", "0.5"]
+    r = run(*cont, "--init-heads", str(out / "heads"), "--num-heads", "2")
+    assert r.returncode == 2 and "num_heads 3" in r.stderr and "--num-heads 3" in r.stderr, r.stderr
+    r = run(*cont, "--init-heads", str(out / "heads"))
+    assert r.returncode == 0, r.stderr
+    first, second = report, json.loads((more / "report.json").read_text())
+    seen = first["steps"] * 8  # optimizer steps x positions per step (batch 8, no accumulation)
+    assert first["positions_seen_total"] == seen and second["positions_seen_before"] == seen
+    assert second["positions_seen_total"] == seen + second["steps"] * 8
+    assert (
+        json.loads((more / "heads" / "config.json").read_text())["trained_positions"]
+        == second["positions_seen_total"]
+    )
+    assert json.loads((more / "features" / "train" / "meta.json").read_text())["top_k"] == 8
 
 
 @pytest.mark.parametrize(

@@ -372,3 +372,39 @@ def test_stored_top_k_soft_targets_equal_the_recomputed_kl(tiny, tmp_path):
     stored, _ = stream_loss(model, heads, h, t, w, kl_weight=1.0, soft=soft)
     assert float(recomputed) > float(base) + 1e-3
     assert abs(float(stored) - float(recomputed)) < 1e-2 * float(recomputed - base)
+
+
+@pytest.mark.parametrize("kl", [0.0, 1.0])
+def test_loss_spread_over_streams_equals_one_stream(tiny, kl):
+    """Spreading the heads over several MLX streams (one thread each on a CPU) changes
+    where the loss is computed, not its value or gradients."""
+    model, tok = tiny
+    heads = new_heads(model.backbone, tok, K, architecture="hydra")
+    rng = np.random.default_rng(2)
+    heads.update(
+        tree_unflatten(
+            [
+                (k, mx.array(rng.normal(0, 0.05, v.shape), dtype=mx.float32))
+                for k, v in tree_flatten(heads.trainable_parameters())
+            ]
+        )
+    )
+    h = mx.random.normal((5, model.args.hidden_size), key=mx.random.key(0))
+    t = mx.array(rng.integers(-1, model.args.vocab_size, (5, K + 1)), dtype=mx.int32)
+    teacher = mx.random.normal((5, K, model.args.hidden_size), key=mx.random.key(1))
+    w = head_weights(K)
+
+    def grads(streams):
+        def f():
+            return stream_loss(
+                model, heads, h, t, w, path=t[:, :K], teacher=teacher, kl_weight=kl, streams=streams
+            )
+
+        (loss, corr), g = nn.value_and_grad(heads, f)()
+        return float(loss), np.array(corr), dict(tree_flatten(g))
+
+    one = grads(None)
+    many = grads([mx.default_stream(mx.cpu), mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)])
+    assert abs(one[0] - many[0]) < 1e-5 and (one[1] == many[1]).all()
+    for k, v in one[2].items():
+        np.testing.assert_allclose(np.array(many[2][k]), np.array(v), atol=1e-5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -45,6 +46,16 @@ def implied_tau(ranks: np.ndarray, choices) -> float:
             d += 1
         total += d
     return 1.0 + total / max(len(ranks), 1)
+
+
+def loss_streams(num_heads: int) -> list | None:
+    """The MLX streams a training step spreads the heads' loss over: on a CPU one per
+    core up to one per head (MLX runs each CPU stream on its own thread, and the
+    softmax over the draft vocabulary runs on one thread per op); None elsewhere."""
+    if mx.default_device() != mx.cpu:
+        return None
+    n = min(num_heads, os.cpu_count() or 1)
+    return [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n - 1)] if n > 1 else None
 
 
 def _draft_rows(model, heads):
@@ -190,9 +201,21 @@ def train_heads(
 
     rows, lut = _draft_rows(model, heads), draft_vocab_lut(heads, model.args.vocab_size)
 
+    streams = loss_streams(heads.num_heads)
+
     def loss_fn(h, t, path, teacher, soft):
         return stream_loss(
-            model, heads, h, t, weights, rows, path=path, teacher=teacher, kl_weight=cfg.kl_weight, soft=soft
+            model,
+            heads,
+            h,
+            t,
+            weights,
+            rows,
+            path=path,
+            teacher=teacher,
+            kl_weight=cfg.kl_weight,
+            soft=soft,
+            streams=streams,
         )
 
     loss_and_grad = nn.value_and_grad(heads, loss_fn)

@@ -197,7 +197,8 @@ def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
     assert g.returncode == 0 and json.loads(g.stdout)["heads"] is True
     # continued training: new data (here with soft targets), the same heads grow
     more = tmp_path / "more"
-    cont = [a if a != str(out) else str(more) for a in args] + ["--soft-targets", "8", "--kl-weight", "0.5"]
+    cont = [a if a != str(out) else str(more) for a in args]
+    cont += ["--soft-targets", "8", "--kl-weight", "0.5", "--draft-vocab", "64"]  # a new draft vocabulary
     r = run(*cont, "--init-heads", str(out / "heads"), "--num-heads", "2")
     assert r.returncode == 2 and "num_heads 3" in r.stderr and "--num-heads 3" in r.stderr, r.stderr
     r = run(*cont, "--init-heads", str(out / "heads"))

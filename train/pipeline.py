@@ -349,8 +349,10 @@ def run(
     held-out data and this machine's forward costs (:func:`tune_tree`). ``top_k`` > 0
     stores the backbone's top-k log-probabilities with the features (the soft targets
     that ``cfg.kl_weight`` weighs). ``init_heads`` continues training heads saved
-    before (same architecture, K, layers and backbone; their draft vocabulary is
-    kept) on this run's data; the report's ``positions_seen_total`` and the heads'
+    before (same architecture, K, layers and backbone) on this run's data, with the
+    draft vocabulary chosen from this run's data like a fresh run's (the heads'
+    weights do not depend on it: it only selects rows of the frozen output
+    projection); the report's ``positions_seen_total`` and the heads'
     ``trained_positions`` add this run's positions to theirs.
 
     Raises:
@@ -414,17 +416,7 @@ def run(
     data_s = time.perf_counter() - tic
     _log(f"{len(feats['train'])} training positions, {len(feats['valid'])} held out")
     ids, coverage = None, 1.0
-    if init is not None:
-        heads = init
-        if heads.config.draft_vocab_size:
-            ids = np.array(heads.draft_ids)
-            counts = np.bincount(np.asarray(feats["train"].targets[:, 1:]).reshape(-1) + 1)[1:]
-            coverage = float(counts[ids[ids < len(counts)]].sum() / max(counts.sum(), 1))
-            _log(
-                f"draft vocabulary of {init_heads}: {len(ids)} tokens, "
-                f"covering {coverage:.1%} of training targets"
-            )
-    elif 0 < draft_vocab < model.args.vocab_size:
+    if 0 < draft_vocab < model.args.vocab_size:
         ids, coverage = choose_draft_vocab(feats["train"], draft_vocab)
         _log(f"draft vocabulary: {len(ids)} tokens covering {coverage:.1%} of training targets")
         ids = mx.array(ids)
@@ -435,6 +427,13 @@ def run(
         heads = new_heads(
             model.backbone, tokenizer, cfg.num_heads, cfg.num_layers, draft_ids=ids, architecture=architecture
         )
+    else:  # the heads' weights do not depend on the draft vocabulary: it only picks output rows
+        heads = init
+        heads.config.draft_vocab_size = 0 if ids is None else len(ids)
+        if ids is None:
+            heads.pop("draft_ids", None)  # the full vocabulary
+        else:
+            heads.set_draft_vocab(ids)
     seen_before = heads.config.trained_positions
     trees = {"chain": chain(cfg.num_heads).choices, "sparse": sparse(cfg.num_heads).choices}
     report = train_heads(

@@ -3,6 +3,7 @@ kept), next to the matmul GFLOP/s this machine gives in the same run.
 
     python benchmarks/data_engine.py --prompts benchmarks/data/magpie_256.jsonl \
         --max-tokens 192 --workers 2 --batch-size 64 [--top-k 32]
+    python benchmarks/data_engine.py --prompts runs/grow1/data/valid.jsonl --no-distill
 
 It runs ``mlx_stream.train.pipeline.build_split`` (what ``mlx-stream train`` runs for
 each split) on the given prompts into a temporary folder and prints one JSON line:
@@ -82,7 +83,7 @@ def profile_step(model, B: int, L: int) -> dict:
 
     attn = layers[0].self_attn
     q = mx.random.normal((B, attn.n_heads, 1, H // attn.n_heads))
-    k, v = cache[0].keys[..., :L, :], cache[0].values[..., :L, :]
+    k, v = (mx.contiguous(a[..., :L, :]) for a in (cache[0].keys, cache[0].values))
     mask = mx.ones((B, 1, 1, L), dtype=mx.bool_)
     mx.eval(q, k, v)
 
@@ -120,6 +121,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--heads", type=int, default=4, help="targets per position (K)")
+    ap.add_argument(
+        "--no-distill",
+        action="store_true",
+        help="keep the jsonl's completions: the teacher-forced path (one prefill per sequence)",
+    )
     args = ap.parse_args()
 
     from mlx_stream.heads import backbone_fingerprint
@@ -146,7 +152,9 @@ def main() -> None:
     if not args.prompts:
         ap.error("--prompts is required (or --profile)")
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    rows = [{"prompt": r["prompt"], "completion": None} for r in rows][: args.limit or None]
+    keep = args.no_distill
+    rows = [{"prompt": r["prompt"], "completion": r["completion"] if keep else None} for r in rows]
+    rows = rows[: args.limit or None]
     model, tokenizer = load(args.model, heads=None)
     fp = backbone_fingerprint(model.backbone, tokenizer)
     mm_before = matmul_gflops()
@@ -160,7 +168,7 @@ def main() -> None:
             Path(tmp),
             "train",
             args.heads,
-            True,
+            not keep,
             args.max_tokens,
             args.batch_size,
             fp,
@@ -178,6 +186,7 @@ def main() -> None:
         json.dumps(
             {
                 "prompts": len(rows),
+                "path": "teacher-forced" if keep else "self-distillation",
                 "workers": args.workers,
                 "batch_size": args.batch_size,
                 "max_tokens": args.max_tokens,

@@ -7,6 +7,7 @@ import io
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import textwrap
@@ -222,7 +223,9 @@ def _in_a_terminal(mode: str) -> str:
 
     pid, fd = pty.fork()
     if pid == 0:  # the session leader: the parent python is its terminal's foreground group
-        try:
+        try:  # a fresh terminal's signal state, whatever the test process had (as a shell starts it)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execv(sys.executable, [sys.executable, "-c", _PARENT, _CHILD, mode])
         finally:
             os._exit(127)

@@ -582,6 +582,45 @@ def train(
     )
 
 
+@app.command()
+def tasks(
+    sources: list[str] = typer.Argument(
+        ..., help="jsonl files of {prompt, completion} rows, e.g. a train run's data/train.jsonl."
+    ),
+    out: str = typer.Option(
+        ..., "--out", "-o", help="The jsonl of task prompts to write (for train --data)."
+    ),
+    kinds: str = typer.Option(
+        "summarize,passage-qa,translate,back-translate",
+        "--kinds",
+        help="Comma-separated: summarize, passage-qa, translate, back-translate.",
+    ),
+    limit: int | None = typer.Option(None, "--limit", "-n", help="Keep the first N prompts."),
+    seed: int = typer.Option(0, "--seed", help="Draw of task, template and language."),
+):
+    """Re-pose the backbone's own answers as summarisation, passage-QA and translation prompts."""
+    from mlx_stream.prompts import read_jsonl
+    from mlx_stream.train.data import write_jsonl
+    from mlx_stream.train.tasks import derive_task_prompts
+
+    try:
+        if limit is not None and limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {limit}")
+        rows = [r for src in sources for r in read_jsonl(src)]
+        derived = derive_task_prompts(
+            rows, seed=seed, kinds=[k.strip() for k in kinds.split(",") if k.strip()]
+        )
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    _check_out(out, folder=False)
+    derived = derived[:limit]
+    write_jsonl(derived, out)
+    counts = {}
+    for r in derived:
+        counts[r["task"]] = counts.get(r["task"], 0) + 1
+    typer.echo(f"{out}: {len(derived)} prompts (" + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
+
+
 @app.command("eval-heads")
 def eval_heads(
     model: str = _MODEL,
@@ -600,6 +639,12 @@ def eval_heads(
     dtype: str = _DTYPE,
     out: str | None = typer.Option(None, "--out", help="Write the result as JSON to this file."),
     workers: int = typer.Option(1, "--workers", help="Decoding processes (2 suits a 2-core CPU)."),
+    replay: bool = typer.Option(
+        False,
+        "--replay",
+        help="Batched greedy generation, then the loop's drafting and acceptance replayed over it "
+        "(same tau, several times faster; heads that read only the final hidden state).",
+    ),
 ):
     """Greedy decoding over Spec-Bench first turns: tau overall, per task group and per category."""
     from mlx_stream.bench import Decoding, decode_items_in_processes, pool_tau, tau_by_category
@@ -621,7 +666,22 @@ def eval_heads(
     m, tok = _load(model, heads, dtype)
     if m.heads is None:
         typer.echo("note: no heads loaded; tau will be 1.0", err=True)
-    if workers > 1:
+    if replay:
+        from mlx_stream.train.replay import replay_items
+
+        done = []
+
+        def _progress(row):
+            done.append(row)
+            if len(done) % 20 == 0 or len(done) == len(items):
+                tau = pool_tau(done).get("all", {}).get("tau", float("nan"))
+                typer.echo(f"{len(done)}/{len(items)}  tau so far {tau:.3f}", err=True)
+
+        try:
+            res = pool_tau(replay_items(m, tok, items, max_tokens, tree, prompt_lookup, progress=_progress))
+        except ValueError as e:
+            _fail(str(e))
+    elif workers > 1:
         spec = resolve_heads(model, heads) if m.heads is not None else None
         del m, tok
         try:

@@ -260,6 +260,25 @@ def test_eval_heads_reports_tau_per_group(tiny_dir, tmp_path):
         and res["group:mt-bench"]["prompts"] == 1
         and res["group:qa"]["prompts"] == 1
     )
+    # the replayed evaluation reports the same rows (no heads: tau 1 exactly, same prompts)
+    r = run(
+        "eval-heads",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(q),
+        "--max-tokens",
+        "6",
+        "--heads",
+        "none",
+        "--per-category",
+        "1",
+        "--replay",
+        "--out",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text()) == res
     assert res["all"]["tau"] == pytest.approx(1.0)  # plain decoding: one token per pass
 
 

@@ -94,3 +94,22 @@ def test_greedy_identity_real_with_processors(real, shipped_heads, i):
     assert_greedy_identical(model, ids, got, ref)
     np.testing.assert_allclose([x for r in rs for x in r.logprobs], ref_lp, atol=1e-3)
     assert sum(r.accepted for r in rs) > 0
+
+
+@pytest.mark.real
+def test_replay_matches_the_loop(real, shipped_heads):
+    """eval-heads --replay: per prompt, the tokens and forward passes of a replayed greedy
+    decode equal the real loop's (shipped heads, 5-node tree, prompt lookup)."""
+    from mlx_stream.bench import Decoding, decode_items
+    from mlx_stream.prompts import load_spec_bench
+    from mlx_stream.train.replay import replay_items
+
+    model, tok = real
+    model.heads = shipped_heads
+    items = [it for it in load_spec_bench(None, 1) if it["group"] in ("summarization", "math_reasoning")]
+    got = replay_items(model, tok, items, 48, tree=SHIPPED_TREE)
+    ref = decode_items(model, tok, items, Decoding(48, SHIPPED_TREE, None))
+    assert [(r["tokens"], r["forward_passes"]) for r in got] == [
+        (pytest.approx(r["tokens"]), r["forward_passes"]) for r in ref
+    ]
+    assert sum(r["tokens"] for r in got) > 1.3 * sum(r["forward_passes"] for r in got)  # drafts were accepted

@@ -408,3 +408,23 @@ def test_loss_spread_over_streams_equals_one_stream(tiny, kl):
     assert abs(one[0] - many[0]) < 1e-5 and (one[1] == many[1]).all()
     for k, v in one[2].items():
         np.testing.assert_allclose(np.array(many[2][k]), np.array(v), atol=1e-5)
+
+
+def test_replay_sequence_walks_the_tree_as_the_loop_does(tiny):
+    from mlx_stream import OracleDrafter
+    from mlx_stream.train.replay import replay_sequence
+    from mlx_stream.tree import chain
+
+    model, tok = tiny
+    V = model.args.vocab_size
+    prompt, output = [1, 2, 3], list(range(10, 30))  # 20 tokens: 19 made after the first
+    hidden = np.zeros((20, model.args.hidden_size), np.float16)
+    ok = OracleDrafter(len(prompt), output, chain(3), V)  # every draft right: 4 tokens a pass
+    assert replay_sequence(ok, prompt, output, hidden, 128) == (19, 5)
+    wrong = OracleDrafter(len(prompt), output, chain(3), V, wrong=True)
+    assert replay_sequence(wrong, prompt, output, hidden, 128) == (19, 19)
+    # the budget bounds the depth as in the loop: with max_tokens = 20 the last trees are shallower
+    assert replay_sequence(OracleDrafter(len(prompt), output, chain(3), V), prompt, output, hidden, 20) == (
+        19,
+        5,
+    )

@@ -1,0 +1,129 @@
+"""Greedy tau by replay: the decode loop's drafting and acceptance, without its forwards.
+
+Under greedy decoding the loop's output is the backbone's own greedy output (tested
+token for token), so how many tokens each pass accepts depends only on that output
+and on what the drafter proposes at each accepted position. :func:`replay_items`
+makes the output and the final hidden states of all prompts at once with batched
+generation (:func:`~mlx_stream.train.generation.generate_batch`), then walks each
+sequence as :func:`mlx_stream.stream_generate` would: at every step the drafter (the
+same object the loop uses: heads, tree, prompt lookup and its acceptance gate)
+proposes a tree from the hidden state of the last accepted token, the longest
+path that spells the next output tokens is accepted, the target's next token
+follows it, and the drafter is told what was accepted.
+
+Two approximations, both in near-ties only: batched generation can pick a different
+greedy token than single-sequence decoding (fp32 round-off), and the heads read
+float16 copies of the hidden states. Measured against the real loop in the README.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_stream.drafters import AcceptanceObserver, propose
+from mlx_stream.prompts import prompt_ids
+from mlx_stream.speculation import make_drafter, resolve_tree
+
+from .generation import generate_batch
+
+
+def replay_sequence(
+    drafter, prompt: Sequence[int], output: Sequence[int], hidden: np.ndarray, max_tokens: int
+):
+    """Replay one greedy decode.
+
+    Args:
+        drafter: a fresh drafter (:func:`mlx_stream.speculation.make_drafter`); its
+            state (prompt lookup's gate) evolves as in the loop.
+        prompt: prompt token ids.
+        output: the greedy output (EOS included when it ended there), ``M`` tokens.
+        hidden: ``(M, H)`` final hidden states; row i produced ``output[i]``.
+        max_tokens: the generation budget (bounds the tree depth as in the loop).
+
+    Returns:
+        ``(tokens, forward_passes)``: tokens made after the first (``M - 1``) and the
+        decoding passes that made them.
+
+    Raises:
+        ValueError: a drafter that reads the KV cache (multi-stream attention heads).
+    """
+    if getattr(drafter, "capture", None) is not None:
+        raise ValueError("replay needs heads that draft from the final hidden state (not msa heads)")
+    output = [int(t) for t in output]
+    tokens = list(prompt) + output[:1]
+    n, passes = 1, 0
+    while n < len(output):
+        depth = max_tokens - n - 1
+        tree, drafts = propose(drafter, mx.array(hidden[n - 1], dtype=mx.float32), tokens, depth)
+        node_tokens = [tokens[-1], *drafts.tolist()]
+        ok = [True] + [False] * (tree.size - 1)
+        best = 0
+        for i in range(1, tree.size):
+            d = int(tree.depths[i])
+            ok[i] = (
+                ok[int(tree.parents[i])] and n + d - 1 < len(output) and node_tokens[i] == output[n + d - 1]
+            )
+            if ok[i]:
+                best = max(best, d)
+        emitted = output[n : n + best + 1]
+        if isinstance(drafter, AcceptanceObserver):
+            drafter.observe(tree, node_tokens, emitted)
+        tokens.extend(emitted)
+        n += len(emitted)
+        passes += 1
+    return len(output) - 1, passes
+
+
+def replay_items(
+    model,
+    tokenizer,
+    items: Sequence[dict],
+    max_tokens: int = 128,
+    tree=None,
+    prompt_lookup: int | None = None,
+    batch_size: int = 32,
+    progress: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Greedy tau of ``items`` by replay, as rows of :func:`mlx_stream.bench.decode_items`
+    (``group``, ``category``, ``tokens``, ``forward_passes``, ``skipped``), in item order.
+
+    Args:
+        items: ``{"prompt", "group", "category"}`` (through the chat template).
+        tree, prompt_lookup: as :func:`mlx_stream.stream_generate` (the tree is resolved once).
+        batch_size: sequences generated together.
+        progress: called with each row as its sequence is replayed (completion order).
+    """
+    ctx = model.context_length
+    shape = resolve_tree(model, tree)
+    prompts = [prompt_ids(tokenizer, it["prompt"]) for it in items]
+    rows = [
+        {
+            "group": it["group"],
+            "category": it["category"],
+            "tokens": 0.0,
+            "forward_passes": 0,
+            "skipped": False,
+        }
+        for it in items
+    ]
+    todo = []
+    for i, p in enumerate(prompts):
+        if ctx is not None and len(p) + max_tokens > ctx:
+            rows[i]["skipped"] = True
+        else:
+            todo.append(i)
+    eos = set(tokenizer.eos_token_ids)
+    for k, g in generate_batch(
+        model, [prompts[i] for i in todo], max_tokens, eos_ids=eos, keep_hidden=True, batch_size=batch_size
+    ):
+        i = todo[k]
+        made, passes = replay_sequence(
+            make_drafter(model, shape, prompt_lookup), prompts[i], g.tokens, g.hidden, max_tokens
+        )
+        rows[i]["tokens"], rows[i]["forward_passes"] = float(made), passes
+        if progress:
+            progress(rows[i])
+    return rows

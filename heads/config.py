@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ARCHITECTURES = ("residual", "hydra", "msa")
+ARCHITECTURES = ("residual", "hydra", "msa", "eagle")
 
 
 @dataclass
@@ -38,6 +38,9 @@ class HeadConfig:
             (``{"0;1;0,0": 1.69, ...}``, written by training); ``tree="auto"`` picks the
             one with the best tau / cost on the device at hand
             (:func:`mlx_stream.autotree.auto_tree`).
+        layer_spec: "eagle" only: what rebuilds the draft layer, a decoder layer like
+            the backbone's (``{"model_type", "args"}``, :func:`mlx_stream.heads.eagle.layer_spec`);
+            ``num_heads`` is then the deepest draft.
         trained_positions: training positions the heads have seen, summed over every
             run that trained them (an epoch counts each position once more);
             continued training (``mlx-stream train --init-heads``) adds to it.
@@ -55,6 +58,7 @@ class HeadConfig:
     adapter_size: int = 128
     tree_taus: dict = field(default_factory=dict)
     trained_positions: int = 0
+    layer_spec: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.num_layers < 1:
@@ -66,6 +70,8 @@ class HeadConfig:
                 "msa heads need stream_layers >= 1 and adapter_size >= 1, "
                 f"got {self.stream_layers}, {self.adapter_size}"
             )
+        if self.architecture == "eagle" and not self.layer_spec:
+            raise ValueError("eagle heads need layer_spec (the draft layer's model_type and args)")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in 0..{self.vocab_size}, got {self.draft_vocab_size}")
         if self.architecture not in ARCHITECTURES:

@@ -67,11 +67,15 @@ def new_heads(
     architecture: str = "residual",
     stream_layers: int = 2,
     adapter_size: int = 128,
+    copy_top_layer: bool = True,
 ) -> StreamHeads:
     """Fresh heads for ``backbone``: their output blocks zero-initialised (``scale=0``,
     so a fresh head repeats the backbone's own prediction), or every weight drawn from
     N(0, scale^2) (for tests). Carries the backbone fingerprint. ``stream_layers`` and
     ``adapter_size`` apply to ``"msa"`` heads only (see :class:`HeadConfig`).
+    ``"eagle"`` heads start their draft layer and norm as copies of the backbone's top
+    layer and final norm (``copy_top_layer``; else random, like the input projection),
+    unless ``scale > 0``.
 
     Raises:
         ValueError: an unknown ``architecture``, ``num_heads``/``num_layers`` < 1, or
@@ -87,7 +91,13 @@ def new_heads(
         )
     if architecture == "msa" and stream_layers > len(backbone.layers):
         raise ValueError(f"stream_layers={stream_layers} but the backbone has {len(backbone.layers)} layers")
+    spec = {}
+    if architecture == "eagle":
+        from .eagle import layer_spec
+
+        spec = layer_spec(backbone)
     cfg = HeadConfig(
+        layer_spec=spec,
         num_heads=num_heads,
         hidden_size=fam.state_size(backbone),
         vocab_size=int(backbone.args.vocab_size),
@@ -107,10 +117,19 @@ def new_heads(
         params = [(name, scale * mx.random.normal(p.shape, key=k)) for (name, p), k in zip(flat, keys)]
     else:  # nn.Linear's default init for what is not zero-initialised, but from ``seed``, not the global RNG
         params = [
-            (name, p if not p.any() else mx.random.uniform(-1, 1, p.shape, key=k) / math.sqrt(p.shape[-1]))
+            (
+                name,
+                p
+                if not p.any() or "norm" in name
+                else mx.random.uniform(-1, 1, p.shape, key=k) / math.sqrt(p.shape[-1]),
+            )
             for (name, p), k in zip(flat, keys)
         ]
     heads.load_weights(params, strict=False)
+    if architecture == "eagle" and copy_top_layer and scale == 0:
+        top = backbone.model.layers[-1]
+        heads.eagle.layer.load_weights(tree_flatten(top.parameters()), strict=True)
+        heads.eagle.norm.load_weights(tree_flatten(backbone.model.norm.parameters()), strict=True)
     mx.eval(heads.parameters())
     return heads
 

@@ -76,6 +76,10 @@ class StreamHeads(nn.Module):
       ``x_{t+1}`` is the backbone's own next token (the tree's root) and ``e`` the
       backbone's frozen input embedding. A draft tree is then filled depth by depth,
       each child conditioned on its own ancestors.
+    * ``"eagle"`` (EAGLE, Li et al. 2024): one draft layer, a decoder layer started from
+      a copy of the backbone's top layer, reading ``[f_t; e(x_{t+1})]`` and attending over
+      its own KV cache of the context; drafted autoregressively
+      (:class:`~mlx_stream.heads.eagle.EagleDraft`, :class:`mlx_stream.drafters.EagleDrafter`).
     * ``"msa"`` (multi-stream attention, Bhendawade et al. 2024, sec. 3.1, with the
       backbone frozen): stream j starts as ``x_t + P_j + R e(x_{t+1})`` (the hidden
       state entering layer L - N_s, a learned stream embedding, and, as in Hydra, the
@@ -98,7 +102,12 @@ class StreamHeads(nn.Module):
             self.root = nn.Linear(H, H, bias=False)  # the root token's embedding into every stream
             self.root.weight = mx.zeros_like(self.root.weight)
             self.adapters = [Adapter(H, config.adapter_size) for _ in range(config.stream_layers)]
-        if config.architecture == "hydra":
+        if config.architecture == "eagle":
+            from .eagle import EagleDraft
+
+            self.eagle = EagleDraft(H, config.layer_spec)
+            self.heads = []
+        elif config.architecture == "hydra":
             self.heads = [
                 [HydraBlock(H)] + [ResidualBlock(H) for _ in range(n - 1)] for _ in range(config.num_heads)
             ]
@@ -132,6 +141,12 @@ class StreamHeads(nn.Module):
         """Whether the heads read the top layers' inputs and the KV cache (``"msa"``)
         rather than one final hidden state."""
         return self.config.architecture == "msa"
+
+    @property
+    def autoregressive(self) -> bool:
+        """Whether the heads are an EAGLE-style draft layer (``"eagle"``): drafted
+        autoregressively from its own KV cache, not head by head."""
+        return self.config.architecture == "eagle"
 
     @property
     def conditioned(self) -> bool:

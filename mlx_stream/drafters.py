@@ -187,6 +187,120 @@ class HeadsDrafter:
         return mx.concatenate(out)
 
 
+class EagleDrafter:
+    """Draft with an EAGLE-style draft layer (``"eagle"`` heads), autoregressively.
+
+    The layer keeps its own KV cache of entries ``[f_i; e(x_{i+1})]`` (Li et al. 2024,
+    sec. 4), in step with the accepted tokens: each call first drops the previous
+    call's speculative entries, then appends the entries of the positions verified
+    since (the backbone's features of the accepted path, ``hidden``), whose last
+    output f^_r (r: the root's position) scores the depth-1 drafts. The tree is then
+    filled depth by depth as for hydra heads: the children of a node at depth
+    d >= 1 are the top-k of the entry ``[f^ that drafted it; e(its token)]`` at
+    position r + d - 1, which attends to every committed entry, its ancestors'
+    entries and itself (a tree mask), so siblings' subtrees differ (EAGLE-2's
+    context-aware tree, Li et al. 2024b). One batched layer call per depth, all lazy.
+
+    A prompt-cache prefix reused from an earlier call (chat) has no entries: the
+    drafts then attend to the new tokens only (output is unaffected).
+
+    Args:
+        model: a model whose heads are ``"eagle"``.
+        tree: the tree to fill (no deeper than ``num_heads``).
+
+    Raises:
+        ValueError: the model's heads are not ``"eagle"``, or the tree is too deep.
+    """
+
+    capture = None
+    reads_path = True
+
+    def __init__(self, model, tree: Tree):
+        from mlx_lm.models.cache import KVCache
+
+        if model.heads is None or not model.heads.autoregressive:
+            raise ValueError("EagleDrafter needs eagle heads")
+        self.model = model
+        self.tree = parse_tree(tree, model.heads.num_heads)
+        self._ids = model.heads.draft_ids if model.heads.config.draft_vocab_size else None
+        self._rows = None
+        if self._ids is not None:
+            from .heads import output_weight
+
+            self._rows = output_weight(model.backbone)[self._ids]
+        self._levels = HeadsDrafter._plan_levels(self.tree)
+        self._masks = self._plan_masks(self.tree)
+        self.cache = KVCache()
+        self._committed = 0  # entries of verified positions in the cache
+        self._next = None  # the position the next verified entry is for
+
+    @staticmethod
+    def _plan_masks(tree: Tree) -> list:
+        # per depth d >= 2: the bool mask of its parents' new entries over the speculative
+        # entries made so far plus themselves (ancestors at depth >= 1, and self)
+        masks, entry = [None], {}
+        for d in range(2, tree.depth + 1):
+            parents = sorted({int(tree.parents[i]) for i in range(tree.size) if tree.depths[i] == d})
+            n0, rows = len(entry), []
+            for a, node in enumerate(parents):
+                row = [False] * (n0 + len(parents))
+                p = int(tree.parents[node])
+                while p > 0:
+                    row[entry[p]] = True
+                    p = int(tree.parents[p])
+                row[n0 + a] = True
+                rows.append(row)
+            for a, node in enumerate(parents):
+                entry[node] = n0 + a
+            masks.append(mx.array(rows, dtype=mx.bool_))
+        return masks
+
+    def draft(self, hidden, tokens, mid=None, cache=None, max_depth: int | None = None):
+        """``hidden``: ``(P, H)`` the backbone's features of the P positions verified
+        since the last call (the prompt's at the first call), the root's parent last.
+        ``max_depth=0`` only records them (a step drafted without the layer); a call
+        whose positions do not follow the last one's starts a fresh cache."""
+        draft = self.model.heads.eagle
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        P, r = hidden.shape[0], len(tokens) - 1
+        if self._next != r - P:  # first call, or a gap: start over from these positions
+            self._committed = 0
+        if self.cache.offset > self._committed:
+            self.cache.trim(self.cache.offset - self._committed)
+        self._next = r
+        new = mx.array(tokens[r - P + 1 : r + 1], dtype=mx.int32)  # x_{i+1} of each new entry
+        pos = mx.arange(r - P, r, dtype=mx.int32)
+        mask = None
+        if P > 1:
+            mask = mx.concatenate(
+                [mx.ones((P, self._committed), dtype=mx.bool_), mx.tril(mx.ones((P, P), dtype=mx.bool_))],
+                axis=1,
+            )
+        out = draft(hidden, self.model.embed(new), pos, mask, self.cache)
+        self._committed += P
+        depth = self.tree.depth if max_depth is None else min(max_depth, self.tree.depth)
+        if depth < 1:
+            return mx.zeros((0,), dtype=mx.int32)
+        feats = out[-1:]  # (1, H): the feature that scores the root's children
+        toks = mx.array([tokens[-1]], dtype=mx.int32)
+        outs = []
+        for d, (k, prow, crow, rank) in enumerate(self._levels[:depth], start=1):
+            scored = feats
+            if d > 1:  # one entry per parent: [the feature that drafted it; its token]
+                spec = self._masks[d - 1]
+                m = mx.concatenate([mx.ones((spec.shape[0], self._committed), dtype=mx.bool_), spec], axis=1)
+                p = mx.full((spec.shape[0],), r + d - 2, dtype=mx.int32)
+                scored = draft(feats[prow], self.model.embed(toks[prow]), p, m, self.cache)
+            top = _topk(self.model.project(scored, self._rows), k)  # (n_parents, k)
+            toks = top[crow, rank]
+            if self._ids is not None:
+                toks = self._ids[toks]
+            toks = toks.astype(mx.int32)
+            feats = scored[crow]
+            outs.append(toks)
+        return mx.concatenate(outs)
+
+
 class OracleDrafter:
     """Proposes a known continuation (for tests and for measuring the loop's ceiling).
 
@@ -285,6 +399,7 @@ class LookupDrafter:
         self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
         self.min_accept, self.explore_every, self.decay = min_accept, max(explore_every, 1), decay
         self.capture = getattr(base, "capture", None)
+        self.reads_path = getattr(base, "reads_path", False)
         self.accept_rate = prior
         self._skipped = 0
         self._pending: tuple | None = None  # (tree, indices of its chain's nodes) of the last proposal
@@ -361,6 +476,9 @@ def propose(
     if isinstance(drafter, TreeProposer):
         return drafter.propose(hidden, tokens, max_depth, mid=mid, cache=cache, base=base)
     tree = drafter.tree.truncate(max_depth if base else 0)
+    if getattr(drafter, "reads_path", False):  # keeps its own cache in step, drafting or not
+        drafts = drafter.draft(hidden, tokens, max_depth=tree.depth)
+        return tree, drafts[: tree.size - 1].astype(mx.int32)
     if tree.size == 1:
         return tree, mx.zeros((0,), dtype=mx.int32)
     if getattr(drafter, "capture", None) is None:

@@ -262,6 +262,7 @@ class _Step:
     logprobs: list[float]  # of each emitted token
     hidden: mx.array  # (H,) final hidden state at the last accepted node
     mid: mx.array | None  # (H,) the captured layer's input there (msa heads)
+    path_hidden: mx.array | None = None  # (P, H) final hidden states of the accepted path (eagle heads)
 
     @cached_property
     def emitted(self) -> list[int]:
@@ -274,14 +275,16 @@ def _prefill(model, cache: PromptCache, ids: list[int], capture: int | None, ste
     # position's (hidden, mid) and the number of tokens reused
     reused = cache.reuse(ids)
     rest = ids[reused:]
+    chunks = []
     for i in range(0, len(rest), step_size):
         h, mid = model.family.prefill_hidden(
             model.backbone, mx.array(rest[i : i + step_size]), cache.layers, capture=capture
         )
         hidden, mid = h[-1], (mid[-1] if mid is not None else None)
-        mx.eval(hidden, [c.state for c in cache.layers])
+        mx.eval(h, [c.state for c in cache.layers])
+        chunks.append(h)
     cache.tokens = list(ids)
-    return hidden, mid, reused
+    return hidden, mid, reused, mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]
 
 
 def _decode_step(
@@ -302,7 +305,7 @@ def _decode_step(
     if depth >= 1:
         tree, drafts = propose(
             drafter,
-            last.hidden,
+            last.path_hidden if getattr(drafter, "reads_path", False) else last.hidden,
             tokens,
             depth,
             last.mid,
@@ -320,7 +323,17 @@ def _decode_step(
     path, nxt, node_list, lps = verify(tree, node_tokens, fam.project(backbone, h), tokens)
     keep_path(cache.layers, start, path)
     cache.tokens.extend(node_list[i] for i in path)
-    return _Step(tree, node_list, path, nxt, lps, h[path[-1]], mids[path[-1]] if mids is not None else None)
+    path_hidden = h[mx.array(path)] if getattr(drafter, "reads_path", False) else None
+    return _Step(
+        tree,
+        node_list,
+        path,
+        nxt,
+        lps,
+        h[path[-1]],
+        mids[path[-1]] if mids is not None else None,
+        path_hidden,
+    )
 
 
 def stream_generate(
@@ -421,12 +434,14 @@ def stream_generate(
 
     # prefill; the last hidden state gives the first token and feeds the heads
     tic = time.perf_counter()
-    hidden, mid, reused = _prefill(model, cache, ids, getattr(drafter, "capture", None), prefill_step_size)
+    hidden, mid, reused, prompt_hidden = _prefill(
+        model, cache, ids, getattr(drafter, "capture", None), prefill_step_size
+    )
     root = no_drafts()
     path, y, _, lps = verify(
         root, mx.array([ids[-1]], dtype=mx.int32), model.family.project(model.backbone, hidden)[None], ids
     )
-    step = _Step(root, [ids[-1]], path, y, lps, hidden, mid)
+    step = _Step(root, [ids[-1]], path, y, lps, hidden, mid, prompt_hidden)
     prompt_tps = (len(ids) - reused) / (time.perf_counter() - tic)
 
     tic = time.perf_counter()

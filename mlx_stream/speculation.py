@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .defaults import AUTO_TREE, PROMPT_LOOKUP
-from .drafters import Drafter, HeadsDrafter, LookupDrafter, NoDrafter
+from .drafters import Drafter, EagleDrafter, HeadsDrafter, LookupDrafter, NoDrafter
 from .tree import Tree, no_drafts, parse_tree
 
 TreeSpec = str | Sequence[Sequence[int]] | Tree | None
@@ -84,6 +84,8 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None)
     check_prompt_lookup(prompt_lookup)
     if model.heads is None:
         drafter = NoDrafter()
+    elif model.heads.autoregressive:
+        drafter = EagleDrafter(model, resolve_tree(model, tree))
     else:
         drafter = HeadsDrafter(model, resolve_tree(model, tree))
     if prompt_lookup is None:

@@ -1,0 +1,92 @@
+"""The EAGLE-style draft layer: one trainable decoder layer over the backbone's features.
+
+EAGLE (Li et al. 2024, sec. 3-4) drafts at the feature level: the entry at position
+i reads the backbone's final feature f_i and the embedding of the next token
+x_{i+1} ("shifted token"), ``z_i = W [f_i; e(x_{i+1})] + b``; one decoder layer
+attends causally over the entries of the context (its own small KV cache) and
+predicts the feature at i+1, ``f^_{i+1} = norm(layer(z)_i)``, whose projection through
+the backbone's frozen output layer gives logits for x_{i+2}. Drafting is
+autoregressive: the next entry reads ``(f^_{i+1}, e(x^_{i+2}))``. The layer starts
+as a copy of the backbone's top layer (the backbone keeps its own, frozen) and the
+norm as a copy of its final norm.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def layer_spec(backbone) -> dict:
+    """What rebuilds a decoder layer like the backbone's: ``{"model_type", "args"}``
+    (mlx-lm's ``ModelArgs`` fields), stored in the heads' config.
+
+    Raises:
+        ValueError: a backbone outside the llama family (llama, mistral, qwen2, qwen3).
+    """
+    from mlx_stream.models import llama
+
+    model_type = getattr(backbone.args, "model_type", None) or getattr(backbone, "model_type", None)
+    if model_type not in llama.FAMILY:
+        raise ValueError(
+            f"eagle heads need a llama-family backbone ({', '.join(llama.FAMILY)}), not {model_type!r}: "
+            "use hydra or residual heads"
+        )
+    args = {k: v for k, v in asdict(backbone.args).items() if not callable(v)}
+    return {"model_type": model_type, "args": args}
+
+
+def build_layer(spec: dict) -> nn.Module:
+    """A fresh decoder layer (mlx-lm's ``TransformerBlock``) from :func:`layer_spec`'s output."""
+    mod = importlib.import_module(f"mlx_lm.models.{spec['model_type']}")
+    return mod.TransformerBlock(mod.ModelArgs.from_dict(spec["args"]))
+
+
+class EagleDraft(nn.Module):
+    """The draft layer's weights: ``fc`` (2H -> H), ``layer`` (a decoder layer),
+    ``norm`` (RMSNorm of its output, the predicted feature)."""
+
+    def __init__(self, hidden_size: int, spec: dict):
+        super().__init__()
+        self.fc = nn.Linear(2 * hidden_size, hidden_size)
+        self.layer = build_layer(spec)
+        self.norm = nn.RMSNorm(hidden_size, eps=float(spec["args"].get("rms_norm_eps", 1e-5)))
+
+    def __call__(self, f: mx.array, e: mx.array, positions: mx.array, mask, cache) -> mx.array:
+        """Entries of N tree nodes or sequence positions.
+
+        Args:
+            f: ``(N, H)`` features f_i (the backbone's final hidden states, or the
+                layer's own predictions f^_i when drafting).
+            e: ``(N, H)`` input embeddings of x_{i+1}.
+            positions: int ``(N,)`` rotary positions i.
+            mask: ``None`` (a single entry), or bool ``(N, S)`` over the cache's
+                entries plus these N (S = cache offset + N).
+            cache: an mlx-lm ``KVCache``; the N entries are appended to it.
+
+        Returns:
+            ``(N, H)`` predicted features f^_{i+1} (float32).
+        """
+        from mlx_stream.models.llama import _attention
+
+        layer = self.layer
+        z = self.fc(mx.concatenate([f.astype(mx.float32), e.astype(mx.float32)], axis=-1))[None]
+        z = z + _attention(layer.self_attn, layer.input_layernorm(z), positions, mask, cache)
+        z = z + layer.mlp(layer.post_attention_layernorm(z))
+        return self.norm(z[0])
+
+    def sequence(self, f: mx.array, e: mx.array, mask: mx.array | None = None) -> mx.array:
+        """Teacher-forced entries over whole sequences (training).
+
+        Args:
+            f: ``(B, L, H)`` features; e: ``(B, L, H)`` embeddings of the next tokens.
+            mask: additive or bool ``(L, L)`` mask; ``None``: causal.
+
+        Returns:
+            ``(B, L, H)`` predicted features.
+        """
+        z = self.fc(mx.concatenate([f.astype(mx.float32), e.astype(mx.float32)], axis=-1))
+        return self.norm(self.layer(z, "causal" if mask is None else mask, None))

@@ -1,0 +1,110 @@
+"""EAGLE-style draft layer ("eagle" heads): construction, the drafter's cache and tree
+masks against a plain causal recomputation, lossless decoding."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+from mlx.utils import tree_flatten
+
+from mlx_stream.drafters import EagleDrafter, propose
+from mlx_stream.heads import load_heads, new_heads, save_heads
+from mlx_stream.tree import chain, parse_tree, sparse
+
+K = 3
+TREE = "0;1;2;0,0;0,1;1,0;0,0,0;1,0,0"
+
+
+@pytest.fixture()
+def eagle(tiny):
+    model, tok = tiny
+    model.heads = new_heads(model.backbone, tok, K, architecture="eagle", scale=0.3, seed=5)
+    return model, tok
+
+
+def test_new_eagle_heads_copy_the_top_layer_and_round_trip(tiny, tmp_path):
+    model, tok = tiny
+    heads = new_heads(model.backbone, tok, K, architecture="eagle", seed=1)
+    top = dict(tree_flatten(model.backbone.model.layers[-1].parameters()))
+    mine = dict(tree_flatten(heads.eagle.layer.parameters()))
+    assert mine.keys() == top.keys() and all(mx.array_equal(mine[k], top[k]) for k in top)
+    fresh = new_heads(model.backbone, tok, K, architecture="eagle", seed=1, copy_top_layer=False)
+    q = "self_attn.q_proj.weight"
+    assert not mx.array_equal(dict(tree_flatten(fresh.eagle.layer.parameters()))[q], top[q])
+    assert mx.array_equal(fresh.eagle.norm.weight, mx.ones_like(fresh.eagle.norm.weight))
+    back = load_heads(save_heads(heads, tmp_path / "h"))
+    assert back.autoregressive and back.config.layer_spec == heads.config.layer_spec
+    for (k, a), (_, b) in zip(tree_flatten(heads.parameters()), tree_flatten(back.parameters())):
+        assert mx.array_equal(a, b), k
+
+
+def _reference_children(model, feats, tokens, node_path):
+    """Top-k children of a node, recomputed as one causal sequence of entries: the
+    verified entries [f_i; e(x_{i+1})], then the node's ancestors' entries
+    [f^ that drafted them; e(token)] in order (no tree mask, no cache)."""
+    draft = model.heads.eagle
+    r = len(tokens) - 1
+    f = feats[:r]
+    e = model.embed(mx.array(tokens[1 : r + 1]))
+    out = draft.sequence(f[None], e[None])[0]
+    fhat = out[-1]
+    for tok in node_path:
+        f = mx.concatenate([f, fhat[None]])
+        e = mx.concatenate([e, model.embed(mx.array([tok]))])
+        out = draft.sequence(f[None], e[None])[0]
+        fhat = out[-1]
+    logits = model.project(fhat)
+    return np.argsort(-np.array(logits))
+
+
+def test_drafts_equal_a_causal_recomputation_step_after_step(eagle):
+    """The drafter keeps its cache in step with the accepted path and fills the tree
+    through masks; every node must be what a plain causal pass over its own path gives."""
+    model, tok = eagle
+    tree = parse_tree(TREE, K)
+    ids = tok.encode("The quick brown fox jumps over")
+    seq = list(mlx_lm_greedy(model.backbone, tok, ids, 12))
+    tokens_all = ids + seq
+    feats = model.backbone.model(mx.array(tokens_all)[None])[0]  # final hidden states, every position
+    drafter = EagleDrafter(model, tree)
+    r = len(ids)  # the first call sees the whole prompt
+    prev = 0
+    for accepted in (0, 2, 1, 0, 3):  # pretend the loop accepted this many drafts each step
+        tokens = tokens_all[: r + 1]
+        hidden = feats[prev:r]
+        t, drafts = propose(drafter, hidden, tokens, K)
+        drafts = drafts.tolist()
+        for i in range(1, t.size):
+            path, p = [], i
+            while p > 0:
+                path.append(p)
+                p = int(t.parents[p])
+            path = path[::-1]
+            parent_path = [drafts[j - 1] for j in path[:-1]]
+            ref = _reference_children(model, feats, tokens, parent_path)
+            assert drafts[i - 1] == int(ref[int(t.ranks[i])]), (accepted, i)
+        prev, r = r, r + accepted + 1
+    assert drafter.cache.offset >= r - 1  # verified entries plus the last call's speculative ones
+
+
+@pytest.mark.parametrize("tree", [chain(K), sparse(K), TREE])
+def test_greedy_identity_with_eagle_heads(eagle, tree):
+    model, tok = eagle
+    for prompt in ("The quick brown fox", "Speculative decoding drafts several tokens"):
+        ids = tok.encode(prompt)
+        ref = mlx_lm_greedy(model.backbone, tok, ids, 48)
+        got, _ = ours(model, tok, ids, 48, tree=tree)
+        assert_greedy_identical(model, ids, got, ref)
+
+
+def test_eagle_needs_a_llama_family_backbone(tmp_path):
+    from mlx_stream.heads.eagle import layer_spec
+
+    class NotLlama:
+        model_type = "opt"
+
+        class args:
+            model_type = "opt"
+
+    with pytest.raises(ValueError, match="llama-family"):
+        layer_spec(NotLlama())

@@ -108,3 +108,47 @@ def test_eagle_needs_a_llama_family_backbone(tmp_path):
 
     with pytest.raises(ValueError, match="llama-family"):
         layer_spec(NotLlama())
+
+
+def test_training_time_test_steps_see_what_drafting_sees(eagle):
+    """Unroll step k at entry i must equal a plain causal pass over the real entries up
+    to i - k + 1 followed by the chain's own entries (what a depth-k node's entry reads)."""
+    from mlx_stream.train.eagle import unrolled_features
+
+    model, tok = eagle
+    draft = model.heads.eagle
+    ids = tok.encode("The quick brown fox jumps over the lazy dog again and again")
+    F = model.backbone.model(mx.array(ids)[None])[0][:-1]  # f_0 .. f_{L-2}
+    X = mx.array(ids[1:])  # x_{i+1}
+    E = model.embed(X)
+    outs = unrolled_features(draft, F[None], E[None], 3)
+    for k in (2, 3):
+        for i in (k - 1, 5, len(ids) - 2):
+            a = i - k + 1  # the last real entry the chain starts from
+            f, e = F[: a + 1], E[: a + 1]
+            g = draft.sequence(f[None], e[None])[0][-1]
+            for j in range(a + 1, i + 1):  # the chain's own entries up to i
+                f = mx.concatenate([f, g[None]])
+                e = mx.concatenate([e, E[j : j + 1]])
+                g = draft.sequence(f[None], e[None])[0][-1]
+            assert mx.allclose(outs[k - 1][0, i], g, atol=1e-4), (k, i)
+    assert mx.allclose(outs[0][0], draft.sequence(F[None], E[None])[0], atol=1e-5)
+
+
+def test_train_eagle_learns_a_tiny_corpus(eagle):
+    """A few hundred steps on a handful of sequences: held-out (= training) top-1 at
+    depth 1 rises well above a fresh layer's, and depth 2 trained by the unrolled step."""
+    from mlx_stream.train.eagle import evaluate_eagle, sequence_features, train_eagle
+
+    model, tok = eagle
+    rows = [
+        {"prompt": "Count:", "completion": " one two three four five six seven eight nine ten"},
+        {"prompt": "Letters:", "completion": " a b c d e f g h i j k l m n o p"},
+    ] * 4
+    seqs = sequence_features(model, tok, rows)
+    assert len(seqs) == 8 and seqs[0].feats.shape == (len(seqs[0].ids) - 1, model.args.hidden_size)
+    before, _, _ = evaluate_eagle(model, model.heads, seqs, 2)
+    rep = train_eagle(model, model.heads, seqs, epochs=60, lr=3e-3, steps=2, warmup=5, log=lambda s: None)
+    after, top5, ranks = evaluate_eagle(model, model.heads, seqs, 2)
+    assert after[0] > max(0.8, before[0] + 0.3) and after[1] > 0.6, (before, after)
+    assert ranks.shape[1] == 2 and rep["positions"] > 0

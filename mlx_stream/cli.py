@@ -504,7 +504,11 @@ def train(
         help="Continue training these heads (same architecture and backbone) on this data.",
     ),
     num_heads: int = typer.Option(_TC.num_heads, "--num-heads", "-k", help="Stream heads K."),
-    architecture: str = typer.Option("hydra", "--architecture", help="Head architecture: hydra or residual."),
+    architecture: str = typer.Option(
+        "hydra",
+        "--architecture",
+        help="Head architecture: hydra, residual, or eagle (a draft layer that attends to the context).",
+    ),
     num_layers: int = typer.Option(_TC.num_layers, "--num-layers", help="Blocks per head."),
     draft_vocab: int = typer.Option(
         8192, "--draft-vocab", help="Tokens the heads score (most frequent); 0 = all."

@@ -60,6 +60,8 @@ def draft_times(model, trees: Sequence, context: int = 256, repeats: int = 10) -
     (a :class:`~mlx_stream.drafters.HeadsDrafter` at a cached context of ``context``
     tokens, prefilled once for all trees), evaluation included."""
     fam, bb = model.family, model.backbone
+    if model.heads is not None and model.heads.autoregressive:
+        return _eagle_draft_times(model, trees, context, repeats)
     capture = HeadsDrafter(model, trees[0]).capture if trees else None
     ids = mx.arange(1, context + 1, dtype=mx.int32) % bb.args.vocab_size
     cache = model.make_cache()
@@ -73,6 +75,29 @@ def draft_times(model, trees: Sequence, context: int = 256, repeats: int = 10) -
         for _ in range(repeats + 1):
             tic = time.perf_counter()
             mx.eval(drafter.draft(hidden, tokens, mid=mid, cache=cache if mid is not None else None))
+            runs.append(time.perf_counter() - tic)
+        result.append(1e3 * statistics.median(runs[1:]))
+    return result
+
+
+def _eagle_draft_times(model, trees, context: int, repeats: int) -> list[float]:
+    # an eagle drafter primed with the context's entries, then timed on steps that each
+    # commit two verified positions (a typical accepted path) and draft the tree
+    from .drafters import EagleDrafter
+
+    bb = model.backbone
+    ids = mx.arange(1, context + 1, dtype=mx.int32) % bb.args.vocab_size
+    hidden, _ = model.family.prefill_hidden(bb, ids, model.make_cache())
+    result = []
+    for tree in trees:
+        drafter = EagleDrafter(model, tree)
+        tokens = ids.tolist() + [1]
+        mx.eval(drafter.draft(hidden, tokens))
+        runs = []
+        for _ in range(repeats + 1):
+            tokens += [1, 1]
+            tic = time.perf_counter()
+            mx.eval(drafter.draft(hidden[-2:], tokens))
             runs.append(time.perf_counter() - tic)
         result.append(1e3 * statistics.median(runs[1:]))
     return result

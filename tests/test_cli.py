@@ -295,8 +295,55 @@ def test_train_resume_refuses_a_different_dataset(tiny_dir, tmp_path):
     assert r.returncode == 2 and "different dataset" in r.stderr, r.stderr
 
 
+def test_train_eagle_heads_end_to_end(tiny_dir, tmp_path):
+    """`--architecture eagle`: sequence features, training with training-time test,
+    per-depth held-out accuracy, a tuned tree; the heads then decode."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"The quick brown fox {i}"}) + "\n" for i in range(6)))
+    out = tmp_path / "run"
+    r = run(
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--max-tokens",
+        "16",
+        "--architecture",
+        "eagle",
+        "--num-heads",
+        "3",
+        "--epochs",
+        "2",
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["architecture"] == "eagle" and len(report["valid"]["top1"]) == 3
+    cfg = json.loads((out / "heads" / "config.json").read_text())
+    assert cfg["architecture"] == "eagle" and cfg["layer_spec"]["model_type"] == "llama"
+    assert cfg["tree"] == report["tree_search"]["sizes"][str(report["tree_search"]["best"])]["tree"]
+    assert cfg["trained_positions"] == report["positions_seen_total"] > 0
+    g = run(
+        "generate",
+        "--model",
+        str(tiny_dir),
+        "--heads",
+        str(out / "heads"),
+        "-p",
+        "The quick",
+        "--max-tokens",
+        "8",
+        "--tree",
+        "0;1;0,0",
+        "--json",
+    )
+    assert g.returncode == 0 and json.loads(g.stdout)["heads"] is True, g.stderr
+
+
 def test_train_refuses_msa_and_unknown_architectures(tmp_path, tiny_dir):
-    for arch, msg in (("msa", "compare_heads.py"), ("medusa9", "use one of: hydra, residual")):
+    for arch, msg in (("msa", "compare_heads.py"), ("medusa9", "use one of: hydra, residual, eagle")):
         r = run("train", "--model", str(tiny_dir), "--out", str(tmp_path / arch), "--architecture", arch)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
         assert not (tmp_path / arch).exists()

@@ -264,6 +264,50 @@ def choose_draft_vocab(feats, size: int) -> tuple[np.ndarray, float]:
     return ids, float(counts[ids].sum() / max(counts.sum(), 1))
 
 
+def _train_eagle(
+    model, tokenizer, heads, out: Path, cfg: TrainConfig, trees: dict
+) -> tuple[dict, np.ndarray]:
+    # the draft layer reads whole sequences: features of every position of the run's rows
+    # (one batched teacher-forced prefill per split), then sequence batches of 4096 tokens
+    from mlx_stream.heads import save_heads
+
+    from .eagle import evaluate_eagle, sequence_features, train_eagle
+    from .trainer import implied_tau
+
+    tic = time.perf_counter()
+    seqs = {
+        n: sequence_features(model, tokenizer, read_jsonl(out / "data" / f"{n}.jsonl"))
+        for n in ("train", "valid")
+    }
+    _log(
+        f"sequence features: {len(seqs['train'])} + {len(seqs['valid'])} sequences "
+        f"in {time.perf_counter() - tic:.0f}s"
+    )
+    report = train_eagle(
+        model,
+        heads,
+        seqs["train"],
+        epochs=cfg.epochs,
+        lr=cfg.lr,
+        steps=min(3, cfg.num_heads),
+        warmup=cfg.warmup,
+        seed=cfg.seed,
+        step_decay=cfg.head_decay,
+        log=_log,
+    )
+    heads.config.trained_positions += report["positions"]
+    top1, top5, ranks = evaluate_eagle(model, heads, seqs["valid"], cfg.num_heads)
+    report["valid"] = {
+        "positions": int(len(ranks)),
+        "top1": top1,
+        "top5": top5,
+        "tau": {name: implied_tau(ranks, choices) for name, choices in trees.items()},
+    }
+    report["train_positions"] = report["positions"]
+    save_heads(heads, out / "heads", dtype=mx.float16)
+    return report, ranks
+
+
 def check_init_heads(config, cfg: TrainConfig, architecture: str, where: str) -> None:
     """Check that heads saved with ``config`` can continue training under ``cfg``.
 
@@ -321,7 +365,7 @@ def check_run_settings(
             "backbone)"
         )
     if architecture not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {architecture!r}; use one of: hydra, residual")
+        raise ValueError(f"unknown architecture {architecture!r}; use one of: hydra, residual, eagle")
 
 
 def run(
@@ -436,19 +480,23 @@ def run(
             heads.set_draft_vocab(ids)
     seen_before = heads.config.trained_positions
     trees = {"chain": chain(cfg.num_heads).choices, "sparse": sparse(cfg.num_heads).choices}
-    report = train_heads(
-        model,
-        heads,
-        feats["train"],
-        out,
-        cfg,
-        valid=feats["valid"],
-        resume=resume,
-        progress=progress,
-        trees=trees,
-    )
+    ranks = None
+    if architecture == "eagle":
+        report, ranks = _train_eagle(model, tokenizer, heads, out, cfg, trees)
+    else:
+        report = train_heads(
+            model,
+            heads,
+            feats["train"],
+            out,
+            cfg,
+            valid=feats["valid"],
+            resume=resume,
+            progress=progress,
+            trees=trees,
+        )
     if tune and len(feats["valid"]):
-        report["tree_search"] = tune_tree(model, heads, feats["valid"])
+        report["tree_search"] = tune_tree(model, heads, feats["valid"], ranks=ranks)
         best = report["tree_search"]["sizes"][report["tree_search"]["best"]]
         _log(f"tree for these heads: {best['tree']} (tau {best['tau']:.2f}, cost {best['cost']:.2f})")
         save_heads(heads, out / "heads", dtype=mx.float16)

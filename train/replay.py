@@ -48,10 +48,14 @@ def replay_sequence(
         decoding passes that made them.
 
     Raises:
-        ValueError: a drafter that reads the KV cache (multi-stream attention heads).
+        ValueError: a drafter that reads the KV cache or every verified position's
+            state (msa, eagle heads).
     """
-    if getattr(drafter, "capture", None) is not None:
-        raise ValueError("replay needs heads that draft from the final hidden state (not msa heads)")
+    if getattr(drafter, "capture", None) is not None or getattr(drafter, "reads_path", False):
+        raise ValueError(
+            "replay needs heads that draft from one final hidden state (hydra, residual); "
+            "evaluate msa and eagle heads without --replay"
+        )
     output = [int(t) for t in output]
     tokens = list(prompt) + output[:1]
     n, passes = 1, 0

@@ -109,7 +109,9 @@ def evaluate(
     return out
 
 
-def tune_tree(model, heads, valid: FeatureCache, max_nodes: int = 15) -> dict:
+def tune_tree(
+    model, heads, valid: FeatureCache, max_nodes: int = 15, ranks: np.ndarray | None = None
+) -> dict:
     """Choose the draft tree for ``heads`` on this machine: for each size N, the tree of
     N drafted nodes with the highest held-out tau (:func:`mlx_stream.tree.tree_from_ranks`),
     scored by tau / cost, where cost is the measured time of an (N + 1)-token forward
@@ -125,7 +127,8 @@ def tune_tree(model, heads, valid: FeatureCache, max_nodes: int = 15) -> dict:
     from mlx_stream.model import SpeculativeModel
     from mlx_stream.tree import format_tree, tree_from_ranks
 
-    ranks = head_ranks(model, heads, valid)
+    if ranks is None:  # ranks of heads that read one position (eagle heads bring their own)
+        ranks = head_ranks(model, heads, valid)
     best_trees = [tree_from_ranks(ranks, n) for n in range(max_nodes + 1)]
     scored = score_trees(SpeculativeModel(model.backbone, heads), best_trees)
     sizes = {n: {k: v for k, v in row.items() if k != "nodes"} for n, row in enumerate(scored["sizes"])}

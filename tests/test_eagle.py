@@ -152,3 +152,31 @@ def test_train_eagle_learns_a_tiny_corpus(eagle):
     after, top5, ranks = evaluate_eagle(model, model.heads, seqs, 2)
     assert after[0] > max(0.8, before[0] + 0.3) and after[1] > 0.6, (before, after)
     assert ranks.shape[1] == 2 and rep["positions"] > 0
+
+
+def test_replay_of_eagle_heads_matches_the_loop(eagle):
+    """eval-heads --replay with eagle heads (prompt states from a teacher-forced prefill,
+    the path's states after each step) gives the loop's tokens and passes per prompt."""
+    from mlx_stream.bench import Decoding, decode_items
+    from mlx_stream.train.eagle import sequence_features, train_eagle
+    from mlx_stream.train.replay import replay_items
+
+    model, tok = eagle
+    from mlx_stream.prompts import prompt_ids
+
+    prompts = ("Count:", "Count: one two", "The quick brown")
+    # self-distilled rows: the backbone's own greedy answers, which the layer learns to draft
+    rows = [
+        {"prompt": p, "completion": tok.decode(mlx_lm_greedy(model.backbone, tok, prompt_ids(tok, p), 24))}
+        for p in prompts
+    ]
+    seqs = sequence_features(model, tok, rows * 3)
+    train_eagle(model, model.heads, seqs, epochs=60, lr=3e-3, warmup=5, log=lambda s: None)
+    items = [{"prompt": p, "group": "g", "category": "c"} for p in prompts]
+    for tree in ("0;1;0,0;0,0,0", "0"):
+        got = replay_items(model, tok, items, 24, tree=tree, prompt_lookup=0)
+        ref = decode_items(model, tok, items, Decoding(24, tree, 0))
+        assert [(r["tokens"], r["forward_passes"]) for r in got] == [
+            (pytest.approx(r["tokens"]), r["forward_passes"]) for r in ref
+        ], tree
+    assert sum(r["tokens"] for r in got) > 1.2 * sum(r["forward_passes"] for r in got)

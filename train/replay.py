@@ -13,7 +13,8 @@ follows it, and the drafter is told what was accepted.
 
 Two approximations, both in near-ties only: batched generation can pick a different
 greedy token than single-sequence decoding (fp32 round-off), and the heads read
-float16 copies of the hidden states. Measured against the real loop in the README.
+float16 copies of the hidden states. Eagle heads also get the prompt's states (one
+teacher-forced prefill of the prompts). Measured against the real loop in the README.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from .generation import generate_batch
 
 
 def replay_sequence(
-    drafter, prompt: Sequence[int], output: Sequence[int], hidden: np.ndarray, max_tokens: int
+    drafter,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    hidden: np.ndarray,
+    max_tokens: int,
+    prompt_hidden: np.ndarray | None = None,
 ):
     """Replay one greedy decode.
 
@@ -42,6 +48,10 @@ def replay_sequence(
         output: the greedy output (EOS included when it ended there), ``M`` tokens.
         hidden: ``(M, H)`` final hidden states; row i produced ``output[i]``.
         max_tokens: the generation budget (bounds the tree depth as in the loop).
+        prompt_hidden: ``(len(prompt) - 1, H)`` final hidden states of the prompt's
+            positions before the last (drafters that read every verified position,
+            eagle heads; they get the states of the positions verified since their
+            last call, as in the loop).
 
     Returns:
         ``(tokens, forward_passes)``: tokens made after the first (``M - 1``) and the
@@ -51,17 +61,26 @@ def replay_sequence(
         ValueError: a drafter that reads the KV cache or every verified position's
             state (msa, eagle heads).
     """
-    if getattr(drafter, "capture", None) is not None or getattr(drafter, "reads_path", False):
-        raise ValueError(
-            "replay needs heads that draft from one final hidden state (hydra, residual); "
-            "evaluate msa and eagle heads without --replay"
-        )
+    if getattr(drafter, "capture", None) is not None:
+        raise ValueError("replay needs heads that draft from final hidden states (not msa heads)")
+    path = getattr(drafter, "reads_path", False)
+    if path:
+        if prompt_hidden is None:
+            raise ValueError("eagle heads need the prompt's hidden states (prompt_hidden)")
+        states = np.concatenate([prompt_hidden, hidden])  # positions 0 .. len(prompt) + M - 2
+    done = 0  # positions whose states the drafter has seen
     output = [int(t) for t in output]
     tokens = list(prompt) + output[:1]
     n, passes = 1, 0
     while n < len(output):
         depth = max_tokens - n - 1
-        tree, drafts = propose(drafter, mx.array(hidden[n - 1], dtype=mx.float32), tokens, depth)
+        if path:
+            r = len(tokens) - 1
+            h = mx.array(states[done:r], dtype=mx.float32)
+            done = r
+        else:
+            h = mx.array(hidden[n - 1], dtype=mx.float32)
+        tree, drafts = propose(drafter, h, tokens, depth)
         node_tokens = [tokens[-1], *drafts.tolist()]
         ok = [True] + [False] * (tree.size - 1)
         best = 0
@@ -120,12 +139,25 @@ def replay_items(
         else:
             todo.append(i)
     eos = set(tokenizer.eos_token_ids)
+    prompt_states = {}
+    if getattr(make_drafter(model, shape, prompt_lookup), "reads_path", False):
+        from .features import teacher_forced
+
+        for k, h, _, _ in teacher_forced(model, [(prompts[i], 1) for i in todo]):
+            prompt_states[todo[k]] = h
+        for i in todo:  # a one-token prompt has no earlier position
+            prompt_states.setdefault(i, np.zeros((0, model.args.hidden_size), np.float16))
     for k, g in generate_batch(
         model, [prompts[i] for i in todo], max_tokens, eos_ids=eos, keep_hidden=True, batch_size=batch_size
     ):
         i = todo[k]
         made, passes = replay_sequence(
-            make_drafter(model, shape, prompt_lookup), prompts[i], g.tokens, g.hidden, max_tokens
+            make_drafter(model, shape, prompt_lookup),
+            prompts[i],
+            g.tokens,
+            g.hidden,
+            max_tokens,
+            prompt_states.get(i),
         )
         rows[i]["tokens"], rows[i]["forward_passes"] = float(made), passes
         if progress:

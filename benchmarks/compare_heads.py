@@ -1,6 +1,8 @@
 """Compare stream-head architectures on the same self-distilled sequences.
 
-Trains residual (Medusa-1), hydra and multi-stream attention ("msa") heads on the
+Trains residual (Medusa-1), hydra, multi-stream attention ("msa") and EAGLE-style
+("eagle": a draft layer copied from the backbone's top layer; "eagle-random": the same
+layer initialised randomly) heads on the
 same training positions of a finished `mlx-stream train` run folder (its
 data/train.jsonl and data/valid.jsonl), for the same number of epochs, and reports
 per architecture: held-out top-1/top-5 per head, the tau implied by the best 5- and
@@ -28,6 +30,7 @@ from mlx_stream.cost import draft_times
 from mlx_stream.heads import new_heads
 from mlx_stream.loader import load
 from mlx_stream.prompts import read_jsonl
+from mlx_stream.train.eagle import EagleSequence, evaluate_eagle, train_eagle
 from mlx_stream.train.features import FeatureCache, targets_for
 from mlx_stream.train.pipeline import choose_draft_vocab
 from mlx_stream.train.streams import sequence_features, stream_ranks, train_stream_heads
@@ -53,7 +56,13 @@ def main():
     ap.add_argument("--epochs", type=float, default=1.0)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--stream-layers", type=int, default=2, help="msa: top layers the streams run through")
-    ap.add_argument("--archs", default="residual,hydra,msa")
+    ap.add_argument(
+        "--archs",
+        default="residual,hydra,msa",
+        help="any of residual, hydra, msa, eagle (draft layer copied from the top layer), eagle-random",
+    )
+    ap.add_argument("--eagle-lr", type=float, default=5e-4)
+    ap.add_argument("--eagle-steps", type=int, default=3, help="eagle: unroll steps (training-time test)")
     ap.add_argument("--out", default="compare_heads.json")
     a = ap.parse_args()
 
@@ -76,13 +85,29 @@ def main():
     ids = mx.array(ids)
     valid = np.asarray(va.targets[:, 1 : K + 1]) >= 0
     results = {}
+    eagle_tr = [EagleSequence(s.ids, max(s.start, 1), f[:-1]) for s, f in zip(tr_seqs, tr_fin)]
+    eagle_va = [EagleSequence(s.ids, max(s.start, 1), f[:-1]) for s, f in zip(va_seqs, va_fin)]
     for arch in a.archs.split(","):
         heads = new_heads(
-            model.backbone, tok, K, draft_ids=ids, architecture=arch, stream_layers=a.stream_layers
+            model.backbone,
+            tok,
+            K,
+            draft_ids=ids,
+            architecture=arch.split("-")[0],
+            stream_layers=a.stream_layers,
+            copy_top_layer=arch != "eagle-random",
         )
         model.heads = heads
         tic = time.perf_counter()
-        if arch == "msa":
+        top = None
+        if arch.startswith("eagle"):
+            rep = train_eagle(
+                model, heads, eagle_tr, epochs=a.epochs, lr=a.eagle_lr, steps=a.eagle_steps, log=print
+            )
+            speed = rep["positions_per_s"]
+            top = evaluate_eagle(model, heads, eagle_va, K)
+            ranks = top[2]
+        elif arch == "msa":
             rep = train_stream_heads(model, heads, tr_seqs, epochs=a.epochs)
             speed = rep["positions_per_s"]
             ranks = stream_ranks(model, heads, va_seqs)
@@ -97,8 +122,12 @@ def main():
             "train_s": time.perf_counter() - tic,
             "positions_per_s": speed,
             "params": sum(v.size for _, v in tree_flatten(heads.trainable_parameters())),
-            "top1": [float(((ranks[:, j] == 0) & valid[:, j]).sum() / n[j]) for j in range(K)],
-            "top5": [
+            "top1": top[0]
+            if top
+            else [float(((ranks[:, j] == 0) & valid[:, j]).sum() / n[j]) for j in range(K)],
+            "top5": top[1]
+            if top
+            else [
                 float(((ranks[:, j] >= 0) & (ranks[:, j] < 5) & valid[:, j]).sum() / n[j]) for j in range(K)
             ],
             "tau_chain": tree_from_ranks(np.where(ranks > 0, -1, ranks), K)[1],

@@ -100,6 +100,74 @@ def replay_sequence(
     return len(output) - 1, passes
 
 
+def greedy_outputs(
+    model,
+    tokenizer,
+    items: Sequence[dict],
+    max_tokens: int = 128,
+    batch_size: int = 32,
+    prompt_states: bool = False,
+) -> list[tuple | None]:
+    """The backbone's greedy outputs for ``items`` with what a replay reads, made once
+    (batched) so that several heads and trees can be replayed over them.
+
+    Args:
+        items: ``{"prompt", ...}`` (through the chat template).
+        prompt_states: also the prompt positions' final hidden states (eagle heads).
+
+    Returns:
+        Per item, in order: None when the prompt and ``max_tokens`` do not fit in the
+        context window, else ``(prompt ids, output tokens, (M, H) float16 hidden states,
+        (len(prompt) - 1, H) prompt states or None)``.
+    """
+    ctx = model.context_length
+    prompts = [prompt_ids(tokenizer, it["prompt"]) for it in items]
+    todo = [i for i, p in enumerate(prompts) if ctx is None or len(p) + max_tokens <= ctx]
+    states: dict[int, np.ndarray] = {}
+    if prompt_states:
+        from .features import teacher_forced
+
+        for k, h, _, _ in teacher_forced(model, [(prompts[i], 1) for i in todo]):
+            states[todo[k]] = h
+        for i in todo:  # a one-token prompt has no earlier position
+            states.setdefault(i, np.zeros((0, model.args.hidden_size), np.float16))
+    out: list[tuple | None] = [None] * len(items)
+    eos = set(tokenizer.eos_token_ids)
+    for k, g in generate_batch(
+        model, [prompts[i] for i in todo], max_tokens, eos_ids=eos, keep_hidden=True, batch_size=batch_size
+    ):
+        i = todo[k]
+        out[i] = (prompts[i], g.tokens, g.hidden, states.get(i))
+    return out
+
+
+def replay_outputs(
+    model,
+    items: Sequence[dict],
+    outputs: Sequence[tuple | None],
+    max_tokens: int = 128,
+    tree=None,
+    prompt_lookup: int | None = None,
+    progress: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Rows of :func:`mlx_stream.bench.decode_items` from :func:`greedy_outputs`, drafting
+    with ``model``'s heads (``tree`` resolved once) and ``prompt_lookup``."""
+    shape = resolve_tree(model, tree)
+    rows = []
+    for it, o in zip(items, outputs):
+        row = {"group": it["group"], "category": it["category"], "tokens": 0.0, "forward_passes": 0}
+        row["skipped"] = o is None
+        if o is not None:
+            made, passes = replay_sequence(
+                make_drafter(model, shape, prompt_lookup), o[0], o[1], o[2], max_tokens, o[3]
+            )
+            row["tokens"], row["forward_passes"] = float(made), passes
+        rows.append(row)
+        if progress:
+            progress(row)
+    return rows
+
+
 def replay_items(
     model,
     tokenizer,
@@ -111,55 +179,15 @@ def replay_items(
     progress: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Greedy tau of ``items`` by replay, as rows of :func:`mlx_stream.bench.decode_items`
-    (``group``, ``category``, ``tokens``, ``forward_passes``, ``skipped``), in item order.
+    (``group``, ``category``, ``tokens``, ``forward_passes``, ``skipped``), in item order:
+    :func:`greedy_outputs`, then :func:`replay_outputs`.
 
     Args:
         items: ``{"prompt", "group", "category"}`` (through the chat template).
         tree, prompt_lookup: as :func:`mlx_stream.stream_generate` (the tree is resolved once).
         batch_size: sequences generated together.
-        progress: called with each row as its sequence is replayed (completion order).
+        progress: called with each row as it is replayed.
     """
-    ctx = model.context_length
-    shape = resolve_tree(model, tree)
-    prompts = [prompt_ids(tokenizer, it["prompt"]) for it in items]
-    rows = [
-        {
-            "group": it["group"],
-            "category": it["category"],
-            "tokens": 0.0,
-            "forward_passes": 0,
-            "skipped": False,
-        }
-        for it in items
-    ]
-    todo = []
-    for i, p in enumerate(prompts):
-        if ctx is not None and len(p) + max_tokens > ctx:
-            rows[i]["skipped"] = True
-        else:
-            todo.append(i)
-    eos = set(tokenizer.eos_token_ids)
-    prompt_states = {}
-    if getattr(make_drafter(model, shape, prompt_lookup), "reads_path", False):
-        from .features import teacher_forced
-
-        for k, h, _, _ in teacher_forced(model, [(prompts[i], 1) for i in todo]):
-            prompt_states[todo[k]] = h
-        for i in todo:  # a one-token prompt has no earlier position
-            prompt_states.setdefault(i, np.zeros((0, model.args.hidden_size), np.float16))
-    for k, g in generate_batch(
-        model, [prompts[i] for i in todo], max_tokens, eos_ids=eos, keep_hidden=True, batch_size=batch_size
-    ):
-        i = todo[k]
-        made, passes = replay_sequence(
-            make_drafter(model, shape, prompt_lookup),
-            prompts[i],
-            g.tokens,
-            g.hidden,
-            max_tokens,
-            prompt_states.get(i),
-        )
-        rows[i]["tokens"], rows[i]["forward_passes"] = float(made), passes
-        if progress:
-            progress(rows[i])
-    return rows
+    reads_path = getattr(make_drafter(model, resolve_tree(model, tree), prompt_lookup), "reads_path", False)
+    outputs = greedy_outputs(model, tokenizer, items, max_tokens, batch_size, prompt_states=reads_path)
+    return replay_outputs(model, items, outputs, max_tokens, tree, prompt_lookup, progress)

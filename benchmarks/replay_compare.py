@@ -1,0 +1,71 @@
+"""Spec-Bench tau of several heads and trees over one greedy generation (replay).
+
+The backbone's greedy outputs (and hidden states) for the chosen Spec-Bench first turns
+are made once, batched; then every (heads, tree) pair is replayed over them with the
+decode loop's own drafters (heads, tree, prompt lookup and its gate;
+``mlx_stream.train.replay``), which gives the loop's tau per prompt (checked against
+the loop in tests/test_real_identity.py and tests/test_eagle.py).
+
+    python benchmarks/replay_compare.py --heads default,runs/a1/heads --trees 0,"0;0,0" --per-group 16
+
+(run with OpenBLAS preloaded, as `make` does). Prints one markdown table (tau overall
+and per task group) and writes the numbers as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from mlx_stream.bench import pool_tau
+from mlx_stream.heads import backbone_fingerprint, load_heads
+from mlx_stream.loader import load, resolve_heads
+from mlx_stream.prompts import load_spec_bench
+from mlx_stream.train.replay import greedy_outputs, replay_outputs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--heads", default="default", help="comma-separated heads folders ('default': shipped)")
+    ap.add_argument("--trees", default="", help="comma-separated trees ('' or 'stored': each heads' own)")
+    ap.add_argument(
+        "--per-group", type=int, default=None, help="first N of each task group (all 480 if unset)"
+    )
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-lookup", type=int, default=None, help="None: the default (10 with heads)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    model, tok = load(a.model, heads=None, dtype="float32")
+    fp = backbone_fingerprint(model.backbone, tok)
+    heads = {h: load_heads(resolve_heads(a.model, h), fingerprint=fp) for h in a.heads.split(",")}
+    trees = [t for t in a.trees.split(",")] if a.trees else ["stored"]
+    items = load_spec_bench(None, a.per_group)
+    tic = time.perf_counter()
+    eagle = any(h.autoregressive for h in heads.values())
+    outputs = greedy_outputs(model, tok, items, a.max_tokens, prompt_states=eagle)
+    print(f"greedy outputs of {len(items)} prompts in {time.perf_counter() - tic:.0f}s", flush=True)
+    results = {}
+    for name, h in heads.items():
+        model.heads = h
+        for tree in trees:
+            tic = time.perf_counter()
+            spec = None if tree == "stored" else tree
+            res = pool_tau(replay_outputs(model, items, outputs, a.max_tokens, spec, a.prompt_lookup))
+            key = f"{name} | {tree if tree != 'stored' else 'stored: ' + (h.config.tree or 'sparse')}"
+            results[key] = {k: v["tau"] for k, v in res.items() if k == "all" or k.startswith("group:")}
+            print(f"{key}: tau {results[key]['all']:.3f} ({time.perf_counter() - tic:.0f}s)", flush=True)
+    groups = sorted(k for k in next(iter(results.values())) if k.startswith("group:"))
+    print("\n| heads / tree | all | " + " | ".join(g[6:] for g in groups) + " |")
+    print("|---|---|" + "---|" * len(groups))
+    for key, r in results.items():
+        print(f"| {key} | {r['all']:.3f} | " + " | ".join(f"{r[g]:.3f}" for g in groups) + " |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "prompts": len(items), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

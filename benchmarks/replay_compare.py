@@ -15,6 +15,7 @@ and per task group) and writes the numbers as JSON (``--out``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -35,6 +36,12 @@ def main():
     )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-lookup", type=int, default=None, help="None: the default (10 with heads)")
+    ap.add_argument(
+        "--store",
+        default="",
+        help="comma-separated jsonl files of {prompt, completion}: also replay with a datastore of "
+        "their completions (REST chains where the context has no match)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -47,16 +54,29 @@ def main():
     eagle = any(h.autoregressive for h in heads.values())
     outputs = greedy_outputs(model, tok, items, a.max_tokens, prompt_states=eagle)
     print(f"greedy outputs of {len(items)} prompts in {time.perf_counter() - tic:.0f}s", flush=True)
+    stores = {"": None}
+    if a.store:
+        from mlx_stream.datastore import Datastore
+        from mlx_stream.prompts import read_jsonl
+
+        rows = [r for f in a.store.split(",") for r in read_jsonl(f) if r.get("completion")]
+        seqs = [tok.encode(r["completion"], add_special_tokens=False) for r in rows]
+        tic = time.perf_counter()
+        stores[" + store"] = Datastore.from_sequences(seqs)
+        print(
+            f"datastore: {len(stores[' + store'])} tokens of {len(seqs)} answers "
+            f"in {time.perf_counter() - tic:.1f}s"
+        )
     results = {}
-    for name, h in heads.items():
+    for (name, h), tree, (sname, store) in itertools.product(heads.items(), trees, stores.items()):
         model.heads = h
-        for tree in trees:
-            tic = time.perf_counter()
-            spec = None if tree == "stored" else tree
-            res = pool_tau(replay_outputs(model, items, outputs, a.max_tokens, spec, a.prompt_lookup))
-            key = f"{name} | {tree if tree != 'stored' else 'stored: ' + (h.config.tree or 'sparse')}"
-            results[key] = {k: v["tau"] for k, v in res.items() if k == "all" or k.startswith("group:")}
-            print(f"{key}: tau {results[key]['all']:.3f} ({time.perf_counter() - tic:.0f}s)", flush=True)
+        tic = time.perf_counter()
+        spec = None if tree == "stored" else tree
+        rows = replay_outputs(model, items, outputs, a.max_tokens, spec, a.prompt_lookup, store=store)
+        res = pool_tau(rows)
+        key = f"{name} | {tree if tree != 'stored' else 'stored: ' + (h.config.tree or 'sparse')}{sname}"
+        results[key] = {k: v["tau"] for k, v in res.items() if k == "all" or k.startswith("group:")}
+        print(f"{key}: tau {results[key]['all']:.3f} ({time.perf_counter() - tic:.0f}s)", flush=True)
     groups = sorted(k for k in next(iter(results.values())) if k.startswith("group:"))
     print("\n| heads / tree | all | " + " | ".join(g[6:] for g in groups) + " |")
     print("|---|---|" + "---|" * len(groups))

@@ -370,6 +370,9 @@ class LookupDrafter:
         num_draft: the longest chain, in tokens (>= 1).
         max_ngram, min_ngram: suffix lengths matched.
         min_accept, explore_every, decay, prior: the acceptance gate (above).
+        store: a :class:`~mlx_stream.datastore.Datastore` of past outputs: where the
+            context has no match, its most frequent continuation is the chain (REST,
+            He et al. 2023), gated apart from the context's copies.
 
     Attributes:
         accept_rate: the moving average of tokens gained / chain nodes, starting from
@@ -389,6 +392,7 @@ class LookupDrafter:
         explore_every: int = 16,
         decay: float = 0.25,
         prior: float = 0.25,
+        store=None,
     ):
         if num_draft < 1 or min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(
@@ -400,17 +404,23 @@ class LookupDrafter:
         self.min_accept, self.explore_every, self.decay = min_accept, max(explore_every, 1), decay
         self.capture = getattr(base, "capture", None)
         self.reads_path = getattr(base, "reads_path", False)
-        self.accept_rate = prior
-        self._skipped = 0
-        self._pending: tuple | None = None  # (tree, indices of its chain's nodes) of the last proposal
+        self.store = store
+        self.rates = {"context": prior, "store": prior}  # the gate's moving average per source
+        self._skipped = {"context": 0, "store": 0}
+        self._pending: tuple | None = None  # (tree, chain node indices, source) of the last proposal
         self._trees: dict = {}  # merged shapes seen so far (a handful per base tree)
 
-    def _wanted(self) -> bool:
-        if self.accept_rate >= self.min_accept:
+    @property
+    def accept_rate(self) -> float:
+        """The prompt-lookup chain's moving average of tokens gained per chain node."""
+        return self.rates["context"]
+
+    def _wanted(self, source: str) -> bool:
+        if self.rates[source] >= self.min_accept:
             return True
-        self._skipped += 1
-        if self._skipped >= self.explore_every:
-            self._skipped = 0
+        self._skipped[source] += 1
+        if self._skipped[source] >= self.explore_every:
+            self._skipped[source] = 0
             return True
         return False
 
@@ -430,7 +440,8 @@ class LookupDrafter:
                 key = i in chain_nodes
                 best[key] = max(best[key], d)
         gain = max(best[True] - best[False], 0) / len(chain_nodes)
-        self.accept_rate += self.decay * (gain - self.accept_rate)
+        source = self._pending[2]
+        self.rates[source] += self.decay * (gain - self.rates[source])
         self._pending = None
 
     @property
@@ -447,8 +458,11 @@ class LookupDrafter:
 
         tree, drafts = propose(self.base, hidden, tokens, max_depth, mid, cache, base=base)
         self._pending = None
-        chain_ = prompt_lookup(tokens, min(self.num_draft, max_depth), self.max_ngram, self.min_ngram)
-        if not chain_ or not self._wanted():
+        n = min(self.num_draft, max_depth)
+        source, chain_ = "context", prompt_lookup(tokens, n, self.max_ngram, self.min_ngram)
+        if not chain_ and self.store is not None:
+            source, chain_ = "store", self.store.lookup(tokens, n, self.min_ngram)
+        if not chain_ or not self._wanted(source):
             return tree, drafts
         key = (tree, len(chain_))
         if key not in self._trees:
@@ -456,7 +470,7 @@ class LookupDrafter:
             grafted = {i for i, j in enumerate(take.tolist(), start=1) if j >= tree.size - 1}
             self._trees[key] = merged, mx.array(take), grafted
         merged, take, grafted = self._trees[key]
-        self._pending = (merged, grafted)
+        self._pending = (merged, grafted, source)
         return merged, mx.concatenate([drafts, mx.array(chain_, dtype=mx.int32)])[take]
 
 

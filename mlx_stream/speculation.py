@@ -67,7 +67,7 @@ def resolve_tree(model, spec: TreeSpec = None) -> Tree:
     return parse_tree(spec, heads.num_heads)
 
 
-def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None) -> Drafter:
+def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None, store=None) -> Drafter:
     """The drafter for ``model``: its stream heads filling ``tree`` (or nothing without
     heads), with prompt lookup's chain beside them.
 
@@ -77,6 +77,8 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None)
         prompt_lookup: the most tokens copied from the context per step
             (:class:`~mlx_stream.drafters.LookupDrafter`); 0 turns it off; ``None``:
             :data:`PROMPT_LOOKUP` with heads, 0 without.
+        store: a :class:`~mlx_stream.datastore.Datastore` whose chains stand in where
+            the context has no match (only with prompt lookup on).
 
     Raises:
         ValueError: a bad tree spec or ``prompt_lookup``.
@@ -90,4 +92,4 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None)
         drafter = HeadsDrafter(model, resolve_tree(model, tree))
     if prompt_lookup is None:
         prompt_lookup = PROMPT_LOOKUP if model.heads is not None else 0
-    return LookupDrafter(drafter, prompt_lookup) if prompt_lookup else drafter
+    return LookupDrafter(drafter, prompt_lookup, store=store) if prompt_lookup else drafter

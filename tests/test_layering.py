@@ -31,6 +31,7 @@ LAYERS = [
             "mlx_stream.sampling",
             "mlx_stream.cache",
             "mlx_stream.lookup",
+            "mlx_stream.datastore",
             "mlx_stream.adaptive",
             "mlx_stream.models",
         },

@@ -149,9 +149,11 @@ def replay_outputs(
     tree=None,
     prompt_lookup: int | None = None,
     progress: Callable[[dict], None] | None = None,
+    store=None,
 ) -> list[dict]:
     """Rows of :func:`mlx_stream.bench.decode_items` from :func:`greedy_outputs`, drafting
-    with ``model``'s heads (``tree`` resolved once) and ``prompt_lookup``."""
+    with ``model``'s heads (``tree`` resolved once), ``prompt_lookup`` and ``store``
+    (:func:`mlx_stream.speculation.make_drafter`)."""
     shape = resolve_tree(model, tree)
     rows = []
     for it, o in zip(items, outputs):
@@ -159,7 +161,7 @@ def replay_outputs(
         row["skipped"] = o is None
         if o is not None:
             made, passes = replay_sequence(
-                make_drafter(model, shape, prompt_lookup), o[0], o[1], o[2], max_tokens, o[3]
+                make_drafter(model, shape, prompt_lookup, store), o[0], o[1], o[2], max_tokens, o[3]
             )
             row["tokens"], row["forward_passes"] = float(made), passes
         rows.append(row)

@@ -134,3 +134,45 @@ class Datastore:
             out.append(int(vals[best]))
             at = at[nxt == vals[best]]
         return out
+
+
+def save_store(store: Datastore, path, tokenizer_hash: str):
+    """Write ``store``'s tokens to an ``.npz`` (atomically), with the hash of the
+    tokenizer they are ids of (``backbone_fingerprint(...)["tokenizer"]``)."""
+    from .files import atomic_write
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            np.savez(
+                f,
+                tokens=store.tokens,
+                tokenizer=np.array(tokenizer_hash),
+                max_ngram=np.array(store.max_ngram),
+            )
+
+    return atomic_write(path, write)
+
+
+def load_store(path, tokenizer_hash: str | None = None) -> Datastore:
+    """Read a store written by :func:`save_store` and rebuild its index.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a readable store, or built for another tokenizer (both named).
+    """
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: datastore not found")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            tokens, tok, max_ngram = z["tokens"], str(z["tokenizer"]), int(z["max_ngram"])
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable datastore ({e})") from e
+    if tokenizer_hash is not None and tok != tokenizer_hash:
+        raise ValueError(
+            f"{path}: a datastore of token ids of tokenizer {tok}, but the model's tokenizer is "
+            f"{tokenizer_hash}; rebuild it for this model"
+        )
+    return Datastore(tokens, max_ngram)

@@ -81,3 +81,20 @@ def test_store_chains_keep_decoding_lossless(tiny):
         for store in (Datastore.from_sequences([ref]), wrong):
             got, _ = ours(model, tok, ids, 40, drafter=make_drafter(model, "none", 10, store))
             assert got == ref
+
+
+def test_save_and_load_refuse_another_tokenizer_and_corrupt_files(tmp_path):
+    from mlx_stream.datastore import load_store, save_store
+
+    store = Datastore.from_sequences([[1, 2, 3, 4], [1, 2, 3, 4]], max_ngram=3)
+    path = save_store(store, tmp_path / "store.npz", "abc123")
+    back = load_store(path, "abc123")
+    assert np.array_equal(back.tokens, store.tokens) and back.max_ngram == 3
+    assert back.lookup([9, 1, 2], 2) == [3, 4]
+    with pytest.raises(ValueError, match="tokenizer abc123"):
+        load_store(path, "other")
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not a readable datastore"):
+        load_store(tmp_path / "bad.npz")
+    with pytest.raises(FileNotFoundError):
+        load_store(tmp_path / "missing.npz")

@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import pickle
 import time
+from pathlib import Path
 
 from mlx_stream.bench import pool_tau
+from mlx_stream.files import atomic_write
 from mlx_stream.heads import backbone_fingerprint, load_heads
 from mlx_stream.loader import load, resolve_heads
 from mlx_stream.prompts import load_spec_bench
@@ -42,6 +45,12 @@ def main():
         help="comma-separated jsonl files of {prompt, completion}: also replay with a datastore of "
         "their completions (REST chains where the context has no match)",
     )
+    ap.add_argument(
+        "--outputs",
+        default=None,
+        help="a .pkl of the greedy outputs: read if it exists (same prompts and --max-tokens), else written",
+    )
+    ap.add_argument("--only-outputs", action="store_true", help="make (and save) the outputs, replay nothing")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -52,8 +61,21 @@ def main():
     items = load_spec_bench(None, a.per_group)
     tic = time.perf_counter()
     eagle = any(h.autoregressive for h in heads.values())
-    outputs = greedy_outputs(model, tok, items, a.max_tokens, prompt_states=eagle)
+    key = {"prompts": [it["prompt"] for it in items], "max_tokens": a.max_tokens}
+    saved = None
+    if a.outputs and Path(a.outputs).is_file():
+        with open(a.outputs, "rb") as f:
+            saved = pickle.load(f)
+        if saved["key"] != key or (eagle and any(o is not None and o[3] is None for o in saved["outputs"])):
+            raise SystemExit(f"{a.outputs}: made for other prompts, --max-tokens or without prompt states")
+        outputs = saved["outputs"]
+    else:
+        outputs = greedy_outputs(model, tok, items, a.max_tokens, prompt_states=eagle or a.only_outputs)
+        if a.outputs:
+            atomic_write(a.outputs, lambda p: p.write_bytes(pickle.dumps({"key": key, "outputs": outputs})))
     print(f"greedy outputs of {len(items)} prompts in {time.perf_counter() - tic:.0f}s", flush=True)
+    if a.only_outputs:
+        return
     stores = {"": None}
     if a.store:
         from mlx_stream.datastore import Datastore

@@ -6,7 +6,7 @@ decode loop's own drafters (heads, tree, prompt lookup and its gate;
 ``mlx_stream.train.replay``), which gives the loop's tau per prompt (checked against
 the loop in tests/test_real_identity.py and tests/test_eagle.py).
 
-    python benchmarks/replay_compare.py --heads default,runs/a1/heads --trees 0,"0;0,0" --per-group 16
+    python benchmarks/replay_compare.py --heads default,runs/a1/heads --trees "0 0;0,0" --per-group 16
 
 (run with OpenBLAS preloaded, as `make` does). Prints one markdown table (tau overall
 and per task group) and writes the numbers as JSON (``--out``).
@@ -33,7 +33,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--heads", default="default", help="comma-separated heads folders ('default': shipped)")
-    ap.add_argument("--trees", default="", help="comma-separated trees ('' or 'stored': each heads' own)")
+    ap.add_argument("--trees", default="", help="space-separated trees ('' or 'stored': each heads' own)")
     ap.add_argument(
         "--per-group", type=int, default=None, help="first N of each task group (all 480 if unset)"
     )
@@ -57,7 +57,7 @@ def main():
     model, tok = load(a.model, heads=None, dtype="float32")
     fp = backbone_fingerprint(model.backbone, tok)
     heads = {h: load_heads(resolve_heads(a.model, h), fingerprint=fp) for h in a.heads.split(",")}
-    trees = [t for t in a.trees.split(",")] if a.trees else ["stored"]
+    trees = a.trees.split() if a.trees else ["stored"]
     items = load_spec_bench(None, a.per_group)
     tic = time.perf_counter()
     eagle = any(h.autoregressive for h in heads.values())

@@ -26,8 +26,10 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
+from .config import TrainConfig
 from .features import sequence_ids, teacher_forced
 from .loss import draft_vocab_lut
+from .trainer import _draft_rows, _schedule
 
 
 @dataclass
@@ -194,14 +196,6 @@ def eagle_loss(model, heads, F, X, Y, R, rows, steps: int, reg_weight: float, st
     return total / wsum, mx.stack(correct), mx.stack(counted)
 
 
-def _rows(model, heads):
-    if not heads.config.draft_vocab_size:
-        return None
-    from mlx_stream.heads import output_weight
-
-    return output_weight(model.backbone)[heads.draft_ids]
-
-
 def evaluate_eagle(model, heads, seqs, steps: int, tokens: int = 4096, max_rank: int = 10):
     """Held-out accuracy per draft depth and the rank table for tree search.
 
@@ -212,7 +206,7 @@ def evaluate_eagle(model, heads, seqs, steps: int, tokens: int = 4096, max_rank:
         anchor, the rank of the true token at each depth (``max_rank`` when beyond it),
         as :func:`mlx_stream.train.trainer.head_ranks` gives for other heads.
     """
-    rows = _rows(model, heads)
+    rows = _draft_rows(model, heads)
     lut = draft_vocab_lut(heads, model.args.vocab_size)
     hit1, hit5, n = np.zeros(steps), np.zeros(steps), np.zeros(steps)
     all_ranks = []
@@ -268,20 +262,14 @@ def train_eagle(
     Returns:
         ``{"steps", "positions", "wall_s", "positions_per_s", "final_loss", "train_top1"}``.
     """
-    rows = _rows(model, heads)
+    rows = _draft_rows(model, heads)
     lut = draft_vocab_lut(heads, model.args.vocab_size)
     plan = []
     for e in range(int(np.ceil(epochs))):
         b = batches(seqs, tokens, seed=seed + e)
         plan += b if e + 1 <= epochs else b[: max(1, int(len(b) * (epochs - e)))]
     total = len(plan)
-    sched = optim.join_schedules(
-        [
-            optim.linear_schedule(1e-7, lr, max(warmup, 1)),
-            optim.cosine_decay(lr, max(total - warmup, 1), lr * 0.1),
-        ],
-        [max(warmup, 1)],
-    )
+    sched = _schedule(TrainConfig(lr=lr, warmup=warmup), total)  # warm-up, then cosine, as for other heads
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.0)
 
     def loss_fn(hd, F, X, Y, R):

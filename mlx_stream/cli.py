@@ -298,6 +298,56 @@ def chat(
 
 
 @app.command()
+def server(
+    model: str = _MODEL,
+    heads: str = _HEADS,
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Address to listen on (default: this machine only)."
+    ),
+    port: int = typer.Option(8080, "--port", help="TCP port."),
+    tree: str | None = _TREE,
+    prompt_lookup: int | None = _LOOKUP,
+    dtype: str = _DTYPE,
+    max_tokens: int = typer.Option(512, "--max-tokens", help="max_tokens for requests that give none."),
+    temp: float = typer.Option(0.0, "--temp", help="Temperature for requests that give none."),
+    cache_slots: int = typer.Option(
+        4, "--cache-slots", help="Prompt caches kept: conversations whose history is reused (>= 1)."
+    ),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level."),
+):
+    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    from mlx_stream.generate import check_generation
+
+    if not 0 <= port <= 65535:
+        _fail(f"--port must be in 0..65535, got {port}")
+    if cache_slots < 1:
+        _fail(f"--cache-slots must be >= 1, got {cache_slots}")
+    try:
+        check_generation(max_tokens, temp, tree=tree, prompt_lookup=prompt_lookup)
+    except ValueError as e:
+        _fail(str(e))
+    from mlx_stream.server import serve
+
+    _blas_hint()
+    try:
+        serve(
+            model,
+            heads=heads,
+            host=host,
+            port=port,
+            dtype=dtype,
+            max_tokens=max_tokens,
+            temp=temp,
+            log_level=log_level,
+            cache_slots=cache_slots,
+            tree=tree,
+            prompt_lookup=prompt_lookup,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+
+
+@app.command()
 def convert(
     src: str = typer.Argument(
         ..., help="A Hugging Face checkpoint folder (Llama 2 or OPT) or a llama-architecture .gguf file."

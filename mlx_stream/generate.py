@@ -52,6 +52,9 @@ class GenerationResponse:
         peak_memory: peak memory so far, GB.
         finish_reason: ``None`` while running, then ``"stop"`` (EOS or a stop string)
             or ``"length"`` (max_tokens or the context window).
+        top_logprobs: with ``stream_generate(top_logprobs=k)``, per token of ``tokens``
+            the k most likely ``(token id, log-probability)`` at its position, most
+            likely first; else None.
         tau: mean tokens per decoding forward pass so far: the tokens the target
             produced after the first (an ending EOS included) over ``forward_passes``.
             Plain decoding gives 1.0.
@@ -71,6 +74,7 @@ class GenerationResponse:
     logprobs: list[float] | None = None
     drafted: int = 0
     cached_tokens: int = 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class PromptCache:
@@ -102,7 +106,10 @@ class PromptCache:
         return n
 
 
-def _encode(tokenizer, prompt) -> list[int]:
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """The token ids :func:`stream_generate` decodes for ``prompt``: text is encoded as
+    ``mlx_lm.stream_generate`` does (no second BOS when the text starts with one); ids
+    (a list or an ``mx.array``) are taken as they are."""
     if isinstance(prompt, str):
         # as mlx_lm.stream_generate: no second BOS when the text already has one
         bos = tokenizer.bos_token
@@ -218,28 +225,53 @@ class _TreeVerifier:
         processors: Sequence[LogitsProcessor],
         verifier: Callable,
         entropy: int,
+        top_logprobs: int = 0,
     ):
         self.sampling, self.processors, self.verifier, self.entropy = sampling, processors, verifier, entropy
+        self.top_logprobs = top_logprobs
+
+    def _top(self, logprobs: mx.array) -> tuple[mx.array, mx.array] | None:
+        # the k most likely tokens at every node, unsorted: (N, k) ids and log-probabilities
+        if self.top_logprobs <= 0:
+            return None
+        k = min(self.top_logprobs, logprobs.shape[-1])
+        ids = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+        return ids, mx.take_along_axis(logprobs, ids, axis=-1)
+
+    @staticmethod
+    def _top_rows(top, path: list[int]) -> list[list[tuple[int, float]]] | None:
+        if top is None:
+            return None
+        ids, vals = np.array(top[0]), np.array(top[1])
+        rows = []
+        for i in path:
+            order = np.argsort(-vals[i], kind="stable")
+            rows.append([(int(ids[i, j]), float(vals[i, j])) for j in order])
+        return rows
 
     def __call__(self, tree: Tree, node_tokens: mx.array, logits: mx.array, history: list[int]):
-        """``(accepted path, next token, node tokens, log-probability of each emitted token)``
-        for the ``(N,)`` node tokens and their ``(N, V)`` logits after ``history``."""
+        """``(accepted path, next token, node tokens, log-probability of each emitted token,
+        top log-probabilities)`` for the ``(N,)`` node tokens and their ``(N, V)`` logits
+        after ``history``. The last is ``None`` unless ``top_logprobs`` > 0: then, per
+        emitted token, the ``top_logprobs`` most likely ``(token id, log-probability)``
+        pairs at its position, most likely first."""
         if self.processors:
             paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
             logits = process_logits(
                 self.processors, mx.array(history, dtype=mx.int32), node_tokens, paths, logits
             )
         logprobs = log_softmax(logits)  # (N, V)
+        top = self._top(logprobs)
         if self.sampling.greedy:
             targets = mx.argmax(logits, axis=-1)
             best = mx.max(logprobs, axis=-1)
-            mx.eval(node_tokens, targets, best)
+            mx.eval(node_tokens, targets, best, top)
             toks = node_tokens.tolist()
             path, nxt = verify_greedy(tree, toks, targets.tolist())
             best = best.tolist()
-            return path, nxt, toks, [best[i] for i in path]
+            return path, nxt, toks, [best[i] for i in path], self._top_rows(top, path)
         probs = self.sampling.distribution(logprobs)
-        mx.eval(node_tokens, probs, logprobs)
+        mx.eval(node_tokens, probs, logprobs, top)
         toks = node_tokens.tolist()
         # the token after a node of depth d lands at position len(history) + d
         uniforms = [
@@ -248,7 +280,7 @@ class _TreeVerifier:
         path, nxt = self.verifier(tree, toks, np.array(probs), uniforms)
         lp = np.array(logprobs)
         emitted = [toks[i] for i in path[1:]] + [nxt]
-        return path, nxt, toks, [float(lp[i, t]) for i, t in zip(path, emitted)]
+        return path, nxt, toks, [float(lp[i, t]) for i, t in zip(path, emitted)], self._top_rows(top, path)
 
 
 @dataclass
@@ -260,6 +292,7 @@ class _Step:
     path: list[int]  # accepted nodes, root first
     next_token: int  # the target's token after the accepted path
     logprobs: list[float]  # of each emitted token
+    top_logprobs: list | None  # per emitted token: [(id, log-probability)] most likely first, or None
     hidden: mx.array  # (H,) final hidden state at the last accepted node
     mid: mx.array | None  # (H,) the captured layer's input there (msa heads)
     path_hidden: mx.array | None = None  # (P, H) final hidden states of the accepted path (eagle heads)
@@ -320,7 +353,7 @@ def _decode_step(
     if tree.size > 1:  # causal over the cache, ancestors-only inside the tree
         mask = mx.concatenate([mx.ones((tree.size, start), dtype=mx.bool_), mx.array(tree.mask)], axis=1)
     h, mids = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers, capture=capture)  # (N, H)
-    path, nxt, node_list, lps = verify(tree, node_tokens, fam.project(backbone, h), tokens)
+    path, nxt, node_list, lps, tops = verify(tree, node_tokens, fam.project(backbone, h), tokens)
     keep_path(cache.layers, start, path)
     cache.tokens.extend(node_list[i] for i in path)
     path_hidden = h[mx.array(path)] if getattr(drafter, "reads_path", False) else None
@@ -330,6 +363,7 @@ def _decode_step(
         path,
         nxt,
         lps,
+        tops,
         h[path[-1]],
         mids[path[-1]] if mids is not None else None,
         path_hidden,
@@ -357,6 +391,7 @@ def stream_generate(
     verifier: Callable | None = None,
     adaptive: bool | None = None,
     prompt_lookup: int | None = None,
+    top_logprobs: int = 0,
 ) -> Iterator[GenerationResponse]:
     """Generate with Speculative Streaming, yielding one response per decoding step.
 
@@ -399,6 +434,10 @@ def stream_generate(
             (:class:`~mlx_stream.drafters.LookupDrafter`, joined to the heads' tree
             whatever adaptive speculation decides for the heads); 0 turns it off;
             None: :data:`~mlx_stream.speculation.PROMPT_LOOKUP` with heads, 0 without.
+        top_logprobs: with k > 0 each response's ``top_logprobs`` lists, per emitted
+            token, the k most likely tokens at its position with their log-probabilities
+            (as ``logprobs``: after the logits processors, before temperature and the
+            filters); 0 (default) computes none.
 
     Yields:
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
@@ -411,7 +450,9 @@ def stream_generate(
     check_generation(max_tokens, sampling, model.args.vocab_size)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
-    ids = _encode(tokenizer, prompt)
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
+        raise ValueError(f"top_logprobs must be an integer >= 0, got {top_logprobs!r}")
+    ids = encode_prompt(tokenizer, prompt)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token")
     ctx = model.context_length
@@ -427,6 +468,7 @@ def stream_generate(
         list(logits_processors or []),
         verifier or verify_coupled,
         np.random.SeedSequence(seed).entropy,
+        top_logprobs,
     )
     cache = prompt_cache if prompt_cache is not None else PromptCache(model)
     emitter = _Emitter(tokenizer, max_tokens, [stop] if isinstance(stop, str) else list(stop or []))
@@ -438,10 +480,10 @@ def stream_generate(
         model, cache, ids, getattr(drafter, "capture", None), prefill_step_size
     )
     root = no_drafts()
-    path, y, _, lps = verify(
+    path, y, _, lps, tops = verify(
         root, mx.array([ids[-1]], dtype=mx.int32), model.family.project(model.backbone, hidden)[None], ids
     )
-    step = _Step(root, [ids[-1]], path, y, lps, hidden, mid, prompt_hidden)
+    step = _Step(root, [ids[-1]], path, y, lps, tops, hidden, mid, prompt_hidden)
     prompt_tps = (len(ids) - reused) / (time.perf_counter() - tic)
 
     tic = time.perf_counter()
@@ -465,6 +507,7 @@ def stream_generate(
             finish_reason=reason,
             tau=(len(emitter.tokens) + emitter.eos_hit - 1) / n_fwd if n_fwd else 0.0,
             logprobs=step.logprobs[: len(kept)],
+            top_logprobs=step.top_logprobs[: len(kept)] if step.top_logprobs is not None else None,
             drafted=step.tree.size - 1,
             cached_tokens=reused,
         )

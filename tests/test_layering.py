@@ -51,6 +51,7 @@ LAYERS = [
             "mlx_stream.cost",
             "mlx_stream.autotree",
             "mlx_stream.bench",
+            "mlx_stream.server",
         },
     ),
     ("train", {"mlx_stream.train"}),

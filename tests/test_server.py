@@ -1,0 +1,299 @@
+"""`mlx-stream server`: a real server process on 127.0.0.1, talked to with the official
+`openai` client and with raw HTTP (httpx) for malformed requests."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from mlx_stream.server import APIError, parse_request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, *args: str):
+        self.model = model
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "mlx_stream.cli", "server", "--model", model, "--port", str(self.port)]
+        self.proc = subprocess.Popen(
+            [*cmd, *args, "--log-level", "warning"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            self.close()
+            raise RuntimeError("the server did not come up in 120 s")
+        self.client = OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tiny_dir, tmp_path_factory) -> Path:
+    """Random (untrained) heads for the tiny model: drafts are mostly rejected, but every
+    step still drafts and verifies a tree."""
+    import mlx.core as mx
+
+    from mlx_stream import load
+    from mlx_stream.heads import new_heads, save_heads
+
+    mx.random.seed(3)
+    model, tok = load(str(tiny_dir), dtype="float32")
+    path = tmp_path_factory.mktemp("heads") / "heads"
+    save_heads(new_heads(model.backbone, tok, 3), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, heads_dir):
+    s = Server(str(tiny_dir), "--heads", str(heads_dir), "--tree", "0;1;0,0", "--prompt-lookup", "4")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def local(tiny_dir, heads_dir):
+    from mlx_stream import load
+
+    return load(str(tiny_dir), heads=str(heads_dir), dtype="float32")
+
+
+def _chat_text(tok, messages):
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
+
+
+def test_chat_and_completions_equal_the_library(server, local):
+    from mlx_stream import generate
+
+    model, tok = local
+    want = generate(model, tok, _chat_text(tok, MESSAGES), max_tokens=40, tree="0;1;0,0", prompt_lookup=4)
+    r = server.client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=40)
+    assert r.choices[0].message.content == want
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens == len(tok.encode(_chat_text(tok, MESSAGES), add_special_tokens=False))
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens and u.completion_tokens > 0
+    spec = r.model_extra["speculation"]
+    assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"] and spec["tau"] >= 1.0
+    # raw completions: text and token-id prompts
+    want = generate(model, tok, "Speculative decoding", max_tokens=30, tree="0;1;0,0", prompt_lookup=4)
+    r = server.client.completions.create(model=server.model, prompt="Speculative decoding", max_tokens=30)
+    assert r.choices[0].text == want and r.object == "text_completion"
+    ids = tok.encode("Speculative decoding")
+    r = server.client.completions.create(model=server.model, prompt=ids, max_tokens=30)
+    assert r.choices[0].text == want
+
+
+def test_streaming_chat_and_usage(server):
+    full = server.client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=40)
+    chunks = list(
+        server.client.chat.completions.create(
+            model=server.model,
+            messages=MESSAGES,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == full.choices[0].finish_reason and all(x is None for x in reasons[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: reused
+    # raw SSE: data lines, the last one [DONE]
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={"prompt": "The lazy dog", "max_tokens": 8, "stream": True},
+        timeout=60,
+    ) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [x for x in resp.iter_lines() if x]
+    assert all(x.startswith("data: ") for x in lines) and lines[-1] == "data: [DONE]"
+    assert "speculation" in json.loads(lines[-2][6:])
+
+
+def test_logprobs_and_stop(server, local):
+    r = server.client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=12, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 3
+        lps = [t.logprob for t in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and e.logprob <= 0
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)  # greedy: the top token
+    text = r.choices[0].message.content
+    stop = text[5:9]
+    r = server.client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=12, stop=[stop]
+    )
+    assert r.choices[0].message.content == text[: text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    r = server.client.completions.create(model=server.model, prompt="The lazy dog", max_tokens=6, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    # (mlx-lm's streaming detokenizer drops the first token's leading space from the text)
+    assert "".join(lp.tokens).lstrip() == r.choices[0].text.lstrip()
+
+
+def test_seeded_sampling_is_reproducible(server):
+    kw = {"model": server.model, "messages": MESSAGES, "max_tokens": 24, "temperature": 1.0, "top_p": 0.9}
+    a = server.client.chat.completions.create(seed=7, **kw).choices[0].message.content
+    b = server.client.chat.completions.create(seed=7, **kw).choices[0].message.content
+    assert a == b
+
+
+BAD = [
+    ("/v1/chat/completions", b'{"messages": [', 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", b"{}", 400, "messages"),
+    ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 400, "messages"),
+    ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
+    ("/v1/completions", b'{"prompt": "x", "top_p": 1.5}', 400, "top_p"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": "ten"}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "seed": -1}', 400, "seed"),
+    ("/v1/completions", b'{"prompt": "x", "stop": 5}', 400, "stop"),
+    ("/v1/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
+    ("/v1/completions", b'{"prompt": [100000]}', 400, "prompt"),
+    ("/v1/completions", ('{"prompt": "' + "fox " * 600 + '"}').encode(), 400, "prompt"),
+    ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),
+    ("/v1/nothing", b"{}", 404, None),
+]
+
+
+def test_bad_requests_answer_like_openai_and_the_server_keeps_serving(server):
+    for path, body, status, param in BAD:
+        r = httpx.post(
+            server.url + path, content=body, headers={"content-type": "application/json"}, timeout=30
+        )
+        assert r.status_code == status, (path, body[:60], r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"] and err["param"] == param, (body[:60], err)
+    assert httpx.get(server.url + "/v1/nothing", timeout=5).status_code == 404
+    r = server.client.completions.create(model=server.model, prompt="x", max_tokens=3)
+    assert r.choices[0].text is not None  # still serving
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+
+
+def test_concurrent_clients_get_their_solo_outputs(server):
+    prompts = ["The quick brown fox", "Speculative decoding drafts", "naïve café", "0123456789"]
+
+    def ask(p):
+        msgs = [{"role": "user", "content": p}]
+        return server.client.chat.completions.create(model=server.model, messages=msgs, max_tokens=32)
+
+    solo = [ask(p).choices[0].message.content for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = [r.choices[0].message.content for r in pool.map(ask, prompts)]
+    assert together == solo
+
+
+def test_interleaved_conversations_reuse_their_own_history(server):
+    chats = [[{"role": "user", "content": p}] for p in ("The quick brown fox", "0123456789 naïve")]
+    first = []
+    for msgs in chats:  # turn 1 of each, one after the other
+        r = server.client.chat.completions.create(model=server.model, messages=msgs, max_tokens=16)
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        msgs.append({"role": "user", "content": "and then?"})
+        first.append(r.usage.prompt_tokens)
+    for msgs, n in zip(chats, first):  # turn 2 of each: its whole first turn comes from its slot
+        r = server.client.chat.completions.create(model=server.model, messages=msgs, max_tokens=16)
+        assert r.usage.prompt_tokens_details.cached_tokens >= n
+
+
+def test_a_client_that_disconnects_stops_its_generation(server):
+    body = {"prompt": "The quick brown fox", "max_tokens": 400, "stream": True}
+    full = server.client.completions.create(model=server.model, prompt=body["prompt"], max_tokens=400)
+    assert full.choices[0].finish_reason == "length"  # it would run all 400 tokens
+    before = server.health()["requests"]
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i >= 4:
+                break  # leaving the block closes the connection
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        h = server.health()
+        if h["requests"]["cancelled"] > before["cancelled"] and not h["busy"]:
+            break
+        time.sleep(0.05)
+    assert h["requests"]["cancelled"] == before["cancelled"] + 1
+    assert h["requests"]["completion_tokens"] - before["completion_tokens"] < 400
+
+
+def test_parse_request_defaults_and_aliases():
+    d = {"max_tokens": 512, "temp": 0.0}
+    r = parse_request(
+        {"messages": [{"role": "developer", "content": [{"type": "text", "text": "hi"}]}]}, "chat", "m", d
+    )
+    assert r.messages == [{"role": "system", "content": "hi"}]
+    assert r.settings["max_tokens"] == 512 and r.settings["temp"] == 0.0 and not r.stream
+    r = parse_request({"prompt": ["x"], "max_completion_tokens": 7, "model": "m"}, "completion", "m", d)
+    assert r.prompt == "x" and r.settings["max_tokens"] == 7
+    with pytest.raises(APIError, match="top_logprobs"):
+        parse_request({"messages": MESSAGES, "top_logprobs": 2}, "chat", "m", d)
+    with pytest.raises(APIError, match="stream_options"):
+        parse_request({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "chat", "m", d)
+
+
+def test_real_model_streamed_greedy_text_equals_generate(real):
+    from mlx_stream import generate
+
+    model, tok = real
+    s = Server("smollm2-135m-instruct", "--dtype", "float32")
+    try:
+        for turn in ("Give me two tips for writing tests.", "Now one more."):
+            msgs = [{"role": "user", "content": turn}]
+            want = generate(model, tok, _chat_text(tok, msgs), max_tokens=48)
+            stream = s.client.chat.completions.create(
+                model=s.model, messages=msgs, max_tokens=48, stream=True
+            )
+            got = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert got == want
+    finally:
+        s.close()

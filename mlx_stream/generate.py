@@ -174,8 +174,26 @@ class _Emitter:
                 return n
         return 0
 
+    def _text_of(self, tokens: Sequence[int]) -> str:
+        d = self.tokenizer.detokenizer  # a fresh copy
+        for t in tokens:
+            d.add_token(t)
+        d.finalize()
+        return d.text
+
+    def _completes_stop(self) -> bool:
+        # whether the newest token completes a stop string in the decoded text. The
+        # streaming detokenizer may show a token's text (trailing spaces) only tokens
+        # later, so the tail is decoded whole: enough tokens for the longest stop
+        # string even at 4 bytes (4 byte tokens) per character
+        tail = self._text_of(self.tokens[-(4 * self.maxlen + 4) :])
+        return any(s in tail for s in self.stop)
+
     def push(self, chunk: Sequence[int], out_of_room: bool = False) -> tuple[str, list[int], str | None]:
-        """Feed one step's tokens. Returns ``(text delta, tokens kept, finish_reason)``."""
+        """Feed one step's tokens. Returns ``(text delta, tokens kept, finish_reason)``.
+
+        When a stop string ends the output, the tokens kept end with the one that
+        completes it in the decoded text (the text ends before it)."""
         kept: list[int] = []
         reason = None
         for t in chunk:
@@ -186,7 +204,7 @@ class _Emitter:
             kept.append(t)
             self.tokens.append(t)
             self.detok.add_token(t)
-            if self.stop and self._stop_at(self.detok.text, self.sent - self.maxlen) is not None:
+            if self.stop and self._completes_stop():
                 reason = "stop"
                 break
             if len(self.tokens) >= self.max_tokens:

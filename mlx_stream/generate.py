@@ -9,6 +9,7 @@ accepted node, from which the stream heads draft the next tree (Bhendawade et al
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -106,17 +107,45 @@ class PromptCache:
         return n
 
 
-def encode_prompt(tokenizer, prompt) -> list[int]:
+_PROMPT_FORMS = "a string, or a 1-D sequence of token ids (a list of ints, a 1-D mx.array or numpy array)"
+
+
+def encode_prompt(tokenizer, prompt, vocab_size: int | None = None) -> list[int]:
     """The token ids :func:`stream_generate` decodes for ``prompt``: text is encoded as
-    ``mlx_lm.stream_generate`` does (no second BOS when the text starts with one); ids
-    (a list or an ``mx.array``) are taken as they are."""
+    ``mlx_lm.stream_generate`` does (no second BOS when the text starts with one); a
+    1-D sequence of token ids (list, tuple, ``mx.array``, numpy array) is taken as it is.
+
+    Raises:
+        ValueError: any other form (a batch of prompts, nested lists, floats, strings
+            among the ids), or ids outside ``[0, vocab_size)`` when ``vocab_size`` is given.
+    """
     if isinstance(prompt, str):
         # as mlx_lm.stream_generate: no second BOS when the text already has one
         bos = tokenizer.bos_token
         return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-    if isinstance(prompt, mx.array):
-        return [int(t) for t in prompt.reshape(-1).tolist()]
-    return [int(t) for t in prompt]
+    shape = getattr(prompt, "shape", None)
+    if shape is not None:  # mx.array, numpy array
+        kind = str(getattr(prompt, "dtype", ""))
+        if len(shape) != 1 or not any(k in kind for k in ("int", "uint")):
+            raise ValueError(
+                f"a prompt array must be 1-D integer token ids, got shape {tuple(shape)} of {kind}; "
+                f"prompts are {_PROMPT_FORMS} (one prompt per call)"
+            )
+        ids = [int(t) for t in prompt.tolist()]
+    elif isinstance(prompt, (list, tuple)):
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            bad = next(t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+            raise ValueError(
+                f"a prompt list must hold token ids (ints), got {type(bad).__name__} {bad!r}; "
+                f"prompts are {_PROMPT_FORMS} (one prompt per call)"
+            )
+        ids = [int(t) for t in prompt]
+    else:
+        raise ValueError(f"prompts are {_PROMPT_FORMS}, got {type(prompt).__name__}")
+    if vocab_size is not None and any(t < 0 or t >= vocab_size for t in ids):
+        bad = next(t for t in ids if t < 0 or t >= vocab_size)
+        raise ValueError(f"token id {bad} in the prompt is outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def check_generation(
@@ -470,7 +499,7 @@ def stream_generate(
         raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
     if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
         raise ValueError(f"top_logprobs must be an integer >= 0, got {top_logprobs!r}")
-    ids = encode_prompt(tokenizer, prompt)
+    ids = encode_prompt(tokenizer, prompt, model.args.vocab_size)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token")
     ctx = model.context_length

@@ -373,12 +373,10 @@ class Engine:
         param = "messages" if req.kind == "chat" else "prompt"
         gen = None
         try:
-            ids = encode_prompt(self.tokenizer, self._prompt(req))
-            if max(ids, default=0) >= self.model.args.vocab_size:
-                raise APIError(
-                    f"'prompt' holds a token id >= the vocabulary size {self.model.args.vocab_size}",
-                    param="prompt",
-                )
+            try:
+                ids = encode_prompt(self.tokenizer, self._prompt(req), self.model.args.vocab_size)
+            except ValueError as e:
+                raise APIError(str(e), param="prompt") from e
             cache = self._cache_for(ids)
             gen = stream_generate(
                 self.model,

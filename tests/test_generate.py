@@ -1,5 +1,6 @@
 """The decode loop on a tiny random llama: identity, stopping, limits, errors."""
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 from helpers import assert_greedy_identical, mlx_lm_greedy, ours
@@ -217,3 +218,30 @@ def test_text_that_may_become_a_stop_string_is_held_back(tiny):
     d1, _, _ = em.push(first)
     d2, kept, reason = em.push(tok.encode(" jumps over"))
     assert reason == "stop" and d1 + d2 == "The quick brown "
+
+
+def test_prompts_of_the_wrong_shape_are_refused(tiny):
+    import numpy as np
+
+    model, tok = tiny
+    a, b = tok.encode("The quick brown fox"), tok.encode("naïve café")
+    want = generate(model, tok, a, max_tokens=8)
+    # the accepted forms give the same output
+    for form in (a, tuple(a), mx.array(a), np.array(a), [np.int64(t) for t in a]):
+        assert generate(model, tok, form, max_tokens=8) == want
+    n = min(len(a), len(b))
+    for bad, words in (
+        (mx.array([a[:n], b[:n]]), "1-D"),  # a batch: plain mlx-lm raises too
+        (mx.array([a]), "1-D"),
+        (np.array([a[:n], b[:n]]), "1-D"),
+        ([a, b], "token ids"),
+        (mx.array([1.0, 2.0]), "integer"),
+        (["The", "fox"], "token ids"),
+        ([1, True], "token ids"),
+        (12, "prompts are"),
+        (None, "prompts are"),
+        ([1, model.args.vocab_size], "outside the vocabulary"),
+        ([-1, 2], "outside the vocabulary"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            generate(model, tok, bad, max_tokens=4)

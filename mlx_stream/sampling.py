@@ -25,28 +25,60 @@ import mlx.core as mx
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
+MIN_TEMP = 1e-6  # below it, logits / temp overflows float32 (use 0: greedy)
+
+
 def check_sampling(temp: float) -> None:
-    """Raise ``ValueError`` for a negative (or non-finite) temperature."""
+    """Raise ``ValueError`` for a negative (or non-finite) temperature, or a positive one
+    below :data:`MIN_TEMP`."""
     if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temp!r}")
+    if 0 < temp < MIN_TEMP:
+        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMP}, got {temp!r}")
 
 
-def make_processors(repetition_penalty: float | None = None) -> list[LogitsProcessor]:
-    """mlx-lm's logits processors (``make_logits_processors``) for the command line's
-    options, checked first.
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def make_processors(
+    repetition_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    vocab_size: int | None = None,
+) -> list[LogitsProcessor]:
+    """mlx-lm's logits processors (``make_logits_processors``, its default context of
+    the last 20 tokens for the penalties), checked first.
 
     Raises:
-        ValueError: ``repetition_penalty`` not a finite number > 0 (1 = none).
+        ValueError: ``repetition_penalty`` not a finite number > 0 (1 = none); a penalty
+            that is not a finite number; a ``logit_bias`` key that is not a token id (in
+            ``[0, vocab_size)`` when given) or a value that is not a finite number.
     """
     from mlx_lm.sample_utils import make_logits_processors
 
-    if repetition_penalty is not None and not (
-        isinstance(repetition_penalty, (int, float))
-        and math.isfinite(repetition_penalty)
-        and repetition_penalty > 0
-    ):
+    if repetition_penalty is not None and not (_finite(repetition_penalty) and repetition_penalty > 0):
         raise ValueError(f"repetition_penalty must be a number > 0 (1 = none), got {repetition_penalty!r}")
-    return make_logits_processors(repetition_penalty=repetition_penalty)
+    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if v is not None and not _finite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+    for t, b in (logit_bias or {}).items():
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, int)
+            or t < 0
+            or (vocab_size is not None and t >= vocab_size)
+        ):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {t!r}")
+        if not _finite(b):
+            raise ValueError(f"logit_bias values must be finite numbers, got {b!r} for token {t}")
+    return make_logits_processors(
+        logit_bias={int(t): float(b) for t, b in logit_bias.items()} if logit_bias else None,
+        repetition_penalty=None if repetition_penalty is None else float(repetition_penalty),
+        presence_penalty=None if presence_penalty is None else float(presence_penalty),
+        frequency_penalty=None if frequency_penalty is None else float(frequency_penalty),
+    )
 
 
 @dataclass(frozen=True)
@@ -76,9 +108,9 @@ class SamplingParams:
         if (
             isinstance(self.top_p, bool)
             or not isinstance(self.top_p, (int, float))
-            or not 0 < self.top_p <= 1
+            or not MIN_TEMP <= self.top_p <= 1
         ):
-            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+            raise ValueError(f"top_p must be in [{MIN_TEMP}, 1] (1 disables it), got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if vocab_size is not None and self.top_k >= vocab_size:

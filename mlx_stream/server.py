@@ -47,6 +47,12 @@ from starlette.routing import Route
 from .defaults import DEFAULT_HEADS, DEFAULT_MODEL
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+UNSUPPORTED = {  # request fields answered with a 400 rather than silently ignored
+    "echo": "the prompt is not echoed",
+    "response_format": "no constrained (JSON) decoding",
+    "best_of": "one completion per request",
+    "suffix": "no insertion",
+}
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions allow 5
 
 
@@ -95,6 +101,7 @@ class GenRequest:
     settings: dict = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    template: dict = field(default_factory=dict)  # extra chat-template arguments (tools, ...)
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -105,8 +112,13 @@ def _number(body: dict, name: str, default, lo=None, hi=None, lo_open=False, int
         return default
     kind = "an integer" if integer else "a number"
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or (not integer and not math.isfinite(v)):
-        raise APIError(f"'{name}' must be {kind}, got {json.dumps(v)}", param=name)
+    try:
+        finite = integer or math.isfinite(v) and abs(v) < 1e300
+    except (OverflowError, TypeError):  # an int too large for a float
+        finite = False
+    if isinstance(v, bool) or not ok or not finite or (integer and abs(v) >= 2**62):
+        shown = json.dumps(v) if not isinstance(v, int) or abs(v) < 10**30 else "a huge integer"
+        raise APIError(f"'{name}' must be {kind} in range, got {shown}", param=name)
     if lo is not None and (v <= lo if lo_open else v < lo):
         raise APIError(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v}", param=name)
     if hi is not None and v > hi:
@@ -114,9 +126,17 @@ def _number(body: dict, name: str, default, lo=None, hi=None, lo_open=False, int
     return v
 
 
+def _utf8(text: str, param: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"'{param}' is not valid Unicode text ({e.reason} at {e.start})", param=param) from e
+    return text
+
+
 def _message_text(content, i: int) -> str:
     if isinstance(content, str):
-        return content
+        return _utf8(content, f"messages[{i}].content")
     if isinstance(content, list):  # content parts: only text parts are supported
         texts = []
         for part in content:
@@ -129,7 +149,7 @@ def _message_text(content, i: int) -> str:
                     f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
                     param=f"messages[{i}].content",
                 )
-            texts.append(part["text"])
+            texts.append(_utf8(part["text"], f"messages[{i}].content"))
         return "".join(texts)
     if content is None:
         return ""
@@ -143,7 +163,8 @@ def parse_request(body, kind: str, model_id: str, defaults: dict) -> GenRequest:
         body: the request's JSON value.
         kind: ``"chat"`` or ``"completion"``.
         model_id: the served model's id; a request naming another model is refused.
-        defaults: ``{"max_tokens", "temp"}`` for requests that give none.
+        defaults: ``{"max_tokens", "temp"}`` for requests that give none, and optionally
+            ``"vocab_size"`` (token ids in ``logit_bias`` and ``top_k`` are checked against it).
 
     Returns:
         :class:`GenRequest`.
@@ -152,12 +173,14 @@ def parse_request(body, kind: str, model_id: str, defaults: dict) -> GenRequest:
         APIError: 400 naming the first field that is missing or out of range; 404 for
             another model's name.
     """
-    from .sampling import make_processors
+    from .sampling import SamplingParams, make_processors
 
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != model_id:
+    if model is not None and not isinstance(model, str):
+        raise APIError("'model' must be a string", param="model")
+    if model is not None and model not in (model_id, "default_model"):
         raise APIError(
             f"The model '{model}' does not exist; this server serves '{model_id}' (GET /v1/models)",
             status=404,
@@ -178,7 +201,16 @@ def parse_request(body, kind: str, model_id: str, defaults: dict) -> GenRequest:
                     f"messages[{i}] must be an object with a 'role' in {', '.join(ROLES)}", param="messages"
                 )
             role = "system" if m["role"] == "developer" else m["role"]
-            req.messages.append({"role": role, "content": _message_text(m.get("content"), i)})
+            msg = {"role": role, "content": _message_text(m.get("content"), i)}
+            for key in ("name", "tool_calls", "tool_call_id"):  # for templates that render tools
+                if m.get(key) is not None:
+                    msg[key] = m[key]
+            req.messages.append(msg)
+        for key in ("tools", "chat_template_kwargs"):
+            v = body.get(key)
+            if v is not None and not isinstance(v, list if key == "tools" else dict):
+                raise APIError(f"'{key}' must be {'a list' if key == 'tools' else 'an object'}", param=key)
+        req.template = {"tools": body.get("tools")} | (body.get("chat_template_kwargs") or {})
     else:
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -193,22 +225,42 @@ def parse_request(body, kind: str, model_id: str, defaults: dict) -> GenRequest:
                 )
         elif not isinstance(p, str) or not p:
             raise APIError("'prompt' must be a non-empty string or a list of token ids", param="prompt")
+        else:
+            _utf8(p, "prompt")
         req.prompt = p
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise APIError("only n = 1 is supported", param="n")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, name, defaults["max_tokens"], lo=1, integer=True)
+    for key, why in UNSUPPORTED.items():
+        if body.get(key) not in (None, False):
+            raise APIError(f"'{key}' is not supported by this server ({why})", param=key)
+    max_tokens = _number(body, "max_tokens", defaults["max_tokens"], lo=1, integer=True)
+    max_tokens = _number(body, "max_completion_tokens", max_tokens, lo=1, integer=True)
     temp = _number(body, "temperature", defaults["temp"], lo=0)
     top_p = _number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)
     top_k = _number(body, "top_k", 0, lo=0, integer=True)
     min_p = _number(body, "min_p", 0.0, lo=0, hi=1)
     penalty = _number(body, "repetition_penalty", None, lo=0, lo_open=True)
+    presence = _number(body, "presence_penalty", None, lo=-2, hi=2)
+    frequency = _number(body, "frequency_penalty", None, lo=-2, hi=2)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise APIError("'logit_bias' must be an object of token id -> bias", param="logit_bias")
+        try:
+            bias = {int(k): v for k, v in bias.items()}
+        except ValueError as e:
+            raise APIError("'logit_bias' keys must be token ids", param="logit_bias") from e
+        for v in bias.values():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise APIError("'logit_bias' values must be numbers in [-100, 100]", param="logit_bias")
     seed = _number(body, "seed", None, lo=0, integer=True)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise APIError("'stop' must be a string or a list of strings", param="stop")
+    for s in stop or []:
+        _utf8(s, "stop")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -233,6 +285,14 @@ def parse_request(body, kind: str, model_id: str, defaults: dict) -> GenRequest:
         lp = _number(body, "logprobs", None, lo=0, hi=5, integer=True)
         req.logprobs, req.top_logprobs = lp is not None, lp or 0
     req.stream = stream
+    try:
+        vocab = defaults.get("vocab_size")
+        processors = make_processors(
+            penalty, logit_bias=bias, presence_penalty=presence, frequency_penalty=frequency, vocab_size=vocab
+        )
+        SamplingParams(float(temp), float(top_p), top_k, float(min_p)).check(vocab)
+    except ValueError as e:
+        raise APIError(str(e)) from e
     req.settings = {
         "max_tokens": max_tokens,
         "temp": float(temp),
@@ -242,7 +302,7 @@ def parse_request(body, kind: str, model_id: str, defaults: dict) -> GenRequest:
         "seed": seed,
         "stop": stop,
         "top_logprobs": req.top_logprobs,
-        "logits_processors": make_processors(penalty),
+        "logits_processors": processors,
     }
     return req
 
@@ -259,6 +319,7 @@ class Job:
         self.request, self.loop = request, loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.checked = time.monotonic()  # last check that the client is still there
 
     def put(self, kind: str, value) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
@@ -527,15 +588,20 @@ class _Completions:
         return self._head(obj) | {"choices": [], "usage": tally.usage(), "speculation": tally.speculation()}
 
 
-async def _next_event(job: Job, request: Request, poll: float = 0.25):
+async def _next_event(job: Job, request: Request, poll: float = 0.1):
     # the job's next event; cancels the job (and returns None) if the client went away
+    # (checked at least every ``poll`` seconds, also while events keep coming)
     while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), poll)
-        except asyncio.TimeoutError:
+        now = time.monotonic()
+        if now - job.checked >= poll:
+            job.checked = now
             if await request.is_disconnected():
                 job.cancel()
                 return None
+        try:
+            return await asyncio.wait_for(job.events.get(), poll)
+        except asyncio.TimeoutError:
+            pass
 
 
 def _sse(obj) -> str:
@@ -549,7 +615,13 @@ async def _stream(job: Job, first, fmt: _Completions, request: Request) -> Async
         while event is not None:
             kind, value = event
             if kind == "error":  # after the stream began: the error as the last event
-                yield _sse({"error": {"message": value.message, "type": value.type, "param": value.param}})
+                body = {
+                    "message": value.message,
+                    "type": value.type,
+                    "param": value.param,
+                    "code": value.code,
+                }
+                yield _sse({"error": body})
                 break
             if kind == "end":
                 if fmt.req.include_usage and tally.last is not None:
@@ -575,14 +647,14 @@ def create_app(engine: Engine, model_id: str, max_tokens: int = 512, temp: float
         model_id: the name ``/v1/models`` lists and requests may give.
         max_tokens, temp: defaults for requests that give none.
     """
-    defaults = {"max_tokens": max_tokens, "temp": temp}
+    defaults = {"max_tokens": max_tokens, "temp": temp, "vocab_size": engine.model.args.vocab_size}
 
     async def body_of(request: Request):
         raw = await request.body()
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"the request body is not valid JSON: {e}") from e
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, too deep or too long
+            raise APIError(f"the request body is not valid JSON: {str(e)[:200]}") from e
 
     async def complete(request: Request, kind: str):
         req = parse_request(await body_of(request), kind, model_id, defaults)

@@ -85,6 +85,19 @@ def server(tiny_dir, heads_dir):
 
 
 @pytest.fixture(scope="module")
+def long_server(tmp_path_factory):
+    """A tiny model with a long context: generations long enough (4,000 tokens, seconds)
+    to disconnect in the middle of."""
+    from conftest import make_tiny_model_dir
+
+    s = Server(
+        str(make_tiny_model_dir(tmp_path_factory.mktemp("long") / "model", context=8192)), "--heads", "none"
+    )
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
 def local(tiny_dir, heads_dir):
     from mlx_stream import load
 
@@ -202,6 +215,34 @@ BAD = [
     ("/v1/completions", b'{"prompt": [100000]}', 400, "prompt"),
     ("/v1/completions", ('{"prompt": "' + "fox " * 600 + '"}').encode(), 400, "prompt"),
     ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),
+    ("/v1/completions", b'{"model": 123, "prompt": "x"}', 400, "model"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None),
+    ("/v1/completions", b'{"prompt": "\\ud800 x"}', 400, "prompt"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+        400,
+        "messages[0].content",
+    ),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e-40}', 400, None),
+    ("/v1/completions", b'{"prompt": "x", "top_p": 1e-46}', 400, None),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"99999": 5}}', 400, None),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"3": 500}}', 400, "logit_bias"),
+    ("/v1/completions", b'{"prompt": "x", "echo": true}', 400, "echo"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
+        400,
+        "response_format",
+    ),
+    (
+        "/v1/completions",
+        b'{"prompt": "x", "max_completion_tokens": 2, "max_tokens": "bad"}',
+        400,
+        "max_tokens",
+    ),
     ("/v1/nothing", b"{}", 404, None),
 ]
 
@@ -247,23 +288,58 @@ def test_interleaved_conversations_reuse_their_own_history(server):
         assert r.usage.prompt_tokens_details.cached_tokens >= n
 
 
-def test_a_client_that_disconnects_stops_its_generation(server):
-    body = {"prompt": "The quick brown fox", "max_tokens": 400, "stream": True}
-    full = server.client.completions.create(model=server.model, prompt=body["prompt"], max_tokens=400)
-    assert full.choices[0].finish_reason == "length"  # it would run all 400 tokens
+def _wait_cancelled(server, before: dict) -> dict:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        h = server.health()
+        if h["requests"]["cancelled"] > before["cancelled"] and not h["busy"]:
+            return h
+        time.sleep(0.05)
+    return h
+
+
+def test_a_client_that_disconnects_stops_its_generation(long_server):
+    server = long_server
+    body = {"prompt": "The quick brown fox", "max_tokens": 4000, "stream": True}
     before = server.health()["requests"]
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
         for i, _ in enumerate(resp.iter_lines()):
             if i >= 4:
                 break  # leaving the block closes the connection
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        h = server.health()
-        if h["requests"]["cancelled"] > before["cancelled"] and not h["busy"]:
-            break
-        time.sleep(0.05)
+    h = _wait_cancelled(server, before)
     assert h["requests"]["cancelled"] == before["cancelled"] + 1
-    assert h["requests"]["completion_tokens"] - before["completion_tokens"] < 400
+    assert h["requests"]["completion_tokens"] - before["completion_tokens"] < 4000
+
+
+def test_a_non_streaming_client_that_disconnects_stops_its_generation(long_server):
+    server = long_server
+    before = server.health()["requests"]
+    body = json.dumps({"prompt": "The quick brown fox", "max_tokens": 4000}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.3)  # generating by now
+    h = _wait_cancelled(server, before)
+    assert h["requests"]["cancelled"] == before["cancelled"] + 1
+    assert h["requests"]["completion_tokens"] - before["completion_tokens"] < 4000
+
+
+def test_logit_bias_and_penalties_change_the_output(server, local):
+    from mlx_stream import stream_generate
+
+    model, tok = local
+    prompt = "The quick brown fox"
+    first = next(stream_generate(model, tok, prompt, max_tokens=1)).tokens[0]
+    base = server.client.completions.create(model=server.model, prompt=prompt, max_tokens=8)
+    biased = server.client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=8, logit_bias={str(first): -100}, logprobs=1
+    )
+    assert biased.choices[0].text != base.choices[0].text
+    assert tok.decode([first]) not in biased.choices[0].logprobs.top_logprobs[0]  # never the top one now
+    penalised = server.client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=8, presence_penalty=2.0, frequency_penalty=2.0
+    )
+    assert penalised.choices[0].finish_reason in ("stop", "length")
 
 
 def test_parse_request_defaults_and_aliases():

@@ -4,6 +4,17 @@ A tree forward appends the keys/values of all N tree nodes after the emitted
 prefix. After verification only the accepted path is kept: its entries are copied
 into contiguous slots and the offset is set past them, so the cache again holds
 exactly the emitted prefix (minus the newest token, which is the next root).
+
+Three kinds, each with mlx-lm's semantics for the same settings:
+
+- :class:`TreeKVCache`: mlx-lm's ``KVCache`` (every token).
+- :class:`TreeQuantizedKVCache`: mlx-lm's ``QuantizedKVCache`` (``kv_bits``): keys and
+  values stored quantized (``mx.quantize``, groups along the head dimension); the
+  tree's rows are compacted on each of the packed arrays.
+- :class:`WindowKVCache`: mlx-lm's ``RotatingKVCache(max_kv_size, keep=4)`` as its
+  attention sees it (what ``max_kv_size`` means), but rewindable: entries are kept in
+  temporal order, a little past the window, and the window is applied by the
+  attention mask, so a rejected draft never needs an entry the cache has lost.
 """
 
 from __future__ import annotations
@@ -11,7 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+SINK_TOKENS = 4  # mlx-lm's RotatingKVCache(max_kv_size, keep=4) in make_prompt_cache
 
 
 class TreeKVCache(KVCache):
@@ -37,9 +51,181 @@ class TreeKVCache(KVCache):
             self.values[..., start : start + n, :] = self.values[..., idx, :]
         self.offset = start + n
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> TreeQuantizedKVCache:
+        """This cache's entries quantized (as mlx-lm's ``KVCache.to_quantized``)."""
+        q = TreeQuantizedKVCache(group_size=group_size, bits=bits)
+        q.offset = self.offset
+        if self.keys is not None:
+            n = self.offset
+            q.keys = mx.quantize(self.keys[..., :n, :], group_size=group_size, bits=bits)
+            q.values = mx.quantize(self.values[..., :n, :], group_size=group_size, bits=bits)
+        return q
 
-def make_tree_cache(backbone) -> list[TreeKVCache]:
-    """One :class:`TreeKVCache` per layer of an mlx-lm model.
+
+class TreeQuantizedKVCache(QuantizedKVCache):
+    """mlx-lm's :class:`~mlx_lm.models.cache.QuantizedKVCache` plus :meth:`keep`.
+
+    Keys/values: tuples ``(packed uint32, scales, biases)``, each
+    ``(B, n_kv_heads, capacity, ·)``, valid up to ``offset``; attention over them is
+    mlx-lm's ``quantized_scaled_dot_product_attention`` (chosen by ``bits``).
+    """
+
+    def keep(self, start: int, nodes: Sequence[int]) -> None:
+        """As :meth:`TreeKVCache.keep`, on each packed array."""
+        n = len(nodes)
+        if n and start + nodes[-1] >= self.offset:
+            raise ValueError(f"node {nodes[-1]} is past the cache end ({self.offset - start} tree entries)")
+        if list(nodes) != list(range(n)):
+            idx = mx.array([start + i for i in nodes], dtype=mx.int32)
+            for arrays in (self.keys, self.values):
+                for a in arrays:
+                    a[..., start : start + n, :] = a[..., idx, :]
+        self.offset = start + n
+
+
+class WindowKVCache:
+    """A bounded KV cache with the attention of mlx-lm's ``RotatingKVCache(max_size,
+    keep=4)`` (``max_kv_size``), that a tree step can rewind.
+
+    Entries are held in temporal order: the first ``keep`` positions (attention
+    sinks), then a window of the most recent positions, trimmed once it runs
+    ``slack`` entries past what the next token can see. What each query sees is
+    mlx-lm's, reproduced by the mask (:meth:`make_mask` for prefill chunks, which
+    mlx-lm runs through ``_update_concat``; :meth:`tree_mask` for decoding, where
+    mlx-lm writes one token at a time in place): a single token at position q sees the
+    sinks and positions ``q - (max_size - keep) + 1 .. q``.
+
+    Attributes:
+        offset: tokens through the cache (absolute positions; the rotary offset).
+        dropped: positions dropped between the sinks and the window.
+        keys, values: ``(B, n_kv_heads, held, head_dim)``; ``held = offset - dropped``.
+
+    Raises:
+        ValueError: ``max_size`` <= ``keep``.
+    """
+
+    def __init__(self, max_size: int, keep: int = SINK_TOKENS, slack: int = 64):
+        if max_size <= keep:
+            raise ValueError(f"max_kv_size must be > {keep} (the attention sinks kept), got {max_size}")
+        self.max_size, self.keep_first, self.slack = max_size, keep, slack
+        self.keys = self.values = None
+        self.offset = 0
+        self.dropped = 0
+
+    @property
+    def window(self) -> int:
+        return self.max_size - self.keep_first
+
+    def held_positions(self) -> np.ndarray:
+        """Absolute position of every held entry, in order."""
+        held = self.offset - self.dropped
+        first = min(self.keep_first, held)
+        return np.concatenate([np.arange(first), np.arange(first + self.dropped, self.offset)])
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n, S = self.offset - self.dropped, keys.shape[2]
+        if self.keys is None or n + S > self.keys.shape[2]:  # grow by whole steps of 256
+            B, H, _, D = keys.shape
+            grow = (S + 255) // 256 * 256
+            nk = mx.zeros((B, H, grow, D), keys.dtype)
+            nv = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = nk, nv
+            else:
+                self.keys = mx.concatenate([self.keys[..., :n, :], nk], axis=2)
+                self.values = mx.concatenate([self.values[..., :n, :], nv], axis=2)
+        self.keys[..., n : n + S, :] = keys
+        self.values[..., n : n + S, :] = values
+        self.offset += S
+        return self.keys[..., : n + S, :], self.values[..., : n + S, :]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the newest ``n`` entries.
+
+        Raises:
+            ValueError: the next token would need entries the window has dropped.
+        """
+        n = min(n, self.offset)
+        oldest_needed = max(self.offset - n - self.window + 1, self.keep_first)
+        if self.dropped and oldest_needed < self.keep_first + self.dropped:
+            raise ValueError("cannot rewind past entries the window has dropped")
+        self.offset -= n
+        return n
+
+    def rewindable_to(self, length: int) -> bool:
+        """Whether trimming back to ``length`` tokens gives what a cold start would:
+        only while the window has never been full (else the held entries were
+        computed with a window that a cold prefill would apply differently)."""
+        return length >= self.offset or (self.dropped == 0 and self.offset < self.max_size)
+
+    def keep(self, start: int, nodes: Sequence[int]) -> None:
+        """As :meth:`TreeKVCache.keep` (``start``: the root's absolute position), then
+        drop what the next token can no longer see, once past ``slack``."""
+        n = len(nodes)
+        if n and start + nodes[-1] >= self.offset:
+            raise ValueError(f"node {nodes[-1]} is past the cache end ({self.offset - start} tree entries)")
+        p = start - self.dropped  # physical slot of the root
+        if list(nodes) != list(range(n)):
+            idx = mx.array([p + i for i in nodes], dtype=mx.int32)
+            self.keys[..., p : p + n, :] = self.keys[..., idx, :]
+            self.values[..., p : p + n, :] = self.values[..., idx, :]
+        self.offset = start + n
+        self.evict()
+
+    def evict(self) -> None:
+        """Drop window entries older than the next token can see, once they exceed
+        ``slack`` (the copy is amortised over ``slack`` steps)."""
+        oldest = max(self.offset - self.window + 1, self.keep_first)  # the next token's oldest non-sink
+        extra = oldest - (self.keep_first + self.dropped)
+        if extra > self.slack:
+            k, n = self.keep_first, self.offset - self.dropped
+            self.keys, self.values = (
+                mx.concatenate([a[..., :k, :], a[..., k + extra : n, :]], axis=2)
+                for a in (self.keys, self.values)
+            )
+            self.dropped += extra
+
+    def tree_mask(self, depths: np.ndarray, ancestors: np.ndarray) -> mx.array | None:
+        """Mask ``(N, held + N)`` for N tokens written one at a time in mlx-lm (decoding):
+        node i at position ``offset + depths[i]`` sees the sinks and the last
+        ``max_size - keep`` positions, among the held entries and its tree ancestors
+        (``ancestors`` ``(N, N)`` bool). None when every node sees everything."""
+        q = self.offset + np.asarray(depths)[:, None]
+        pos = np.concatenate([self.held_positions(), self.offset + np.asarray(depths)])[None]
+        see = (pos < self.keep_first) | (pos > q - self.window)
+        held = self.offset - self.dropped
+        see[:, held:] &= np.asarray(ancestors, dtype=bool)
+        if see.all():
+            return None
+        return mx.array(see)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        """mlx-lm's attention for N tokens at once (a prefill chunk: its
+        ``RotatingKVCache._update_concat`` and window mask), or one token (in place),
+        over the held entries and the N new ones: ``(N, held + N)`` bool, or None."""
+        if N == 1:
+            return self.tree_mask(np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool))
+        c, M, k = self.offset, self.max_size, self.keep_first
+        i = np.arange(N)[:, None]
+        pos = np.concatenate([self.held_positions(), c + np.arange(N)])[None]
+        see = (pos <= c + i) & (pos > c + i - M)
+        if c >= M:  # mlx-lm trimmed its cache to the sinks and the last M - 1 - keep first
+            old = (pos >= k) & (pos < c)
+            see = np.where(old, pos >= np.maximum(c + i - M + 1, c - (M - 1 - k)), see)
+            see = np.where(pos < k, pos >= i, see)
+        return mx.array(see)
+
+
+def make_tree_cache(backbone, max_kv_size: int | None = None) -> list:
+    """One :class:`TreeKVCache` per layer of an mlx-lm model, or with ``max_kv_size``
+    one :class:`WindowKVCache` of that size per layer.
 
     Raises:
         ValueError: the model asks for caches that cannot be rewound (sliding-window
@@ -53,7 +239,32 @@ def make_tree_cache(backbone) -> list[TreeKVCache]:
                 f"this model uses {', '.join(sorted(bad))}, which cannot be rewound after a "
                 "rejected draft; tree decoding needs plain KVCache layers"
             )
+    if max_kv_size is not None:
+        return [WindowKVCache(max_kv_size) for _ in backbone.layers]
     return [TreeKVCache() for _ in backbone.layers]
+
+
+def quantize_cache(cache: list, bits: int | None, group_size: int, start: int) -> None:
+    """mlx-lm's ``maybe_quantize_kv_cache``: once ``start`` tokens are cached, each
+    :class:`TreeKVCache` layer becomes a :class:`TreeQuantizedKVCache` (in place in
+    the list). No-op without ``bits``."""
+    if bits is None:
+        return
+    for i, c in enumerate(cache):
+        if isinstance(c, TreeKVCache) and c.offset >= start:
+            cache[i] = c.to_quantized(group_size=group_size, bits=bits)
+
+
+def attention_mask(cache: list, depths: np.ndarray, ancestors: np.ndarray) -> mx.array | None:
+    """The mask of a tree step over the cached prefix plus the tree: ``(N, S)`` bool
+    (S = held entries + N), or None for a single node that sees everything."""
+    c = cache[0]
+    if isinstance(c, WindowKVCache):
+        return c.tree_mask(depths, ancestors)
+    n = len(depths)
+    if n == 1:
+        return None
+    return mx.concatenate([mx.ones((n, c.offset), dtype=mx.bool_), mx.array(ancestors)], axis=1)
 
 
 def cache_offset(cache: Sequence[TreeKVCache]) -> int:

@@ -36,7 +36,7 @@ class ChatSession:
         self.model, self.tokenizer, self.generation = model, tokenizer, generation
         self.base = [{"role": "system", "content": system}] if system else []
         self.messages: list[dict] = list(self.base)
-        self.cache = PromptCache(model)
+        self.cache = PromptCache(model, generation.get("max_kv_size"))
 
     def prompt(self) -> str:
         """The transcript through the chat template, ready for the assistant's turn."""

@@ -19,7 +19,16 @@ import mlx.core as mx
 import numpy as np
 
 from .adaptive import SpeculationPolicy
-from .cache import cache_offset, keep_path, make_tree_cache, trim_cache
+from .cache import (
+    TreeQuantizedKVCache,
+    WindowKVCache,
+    attention_mask,
+    cache_offset,
+    keep_path,
+    make_tree_cache,
+    quantize_cache,
+    trim_cache,
+)
 from .drafters import AcceptanceObserver, Drafter, propose
 from .sampling import LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
@@ -81,27 +90,56 @@ class GenerationResponse:
 class PromptCache:
     """A KV cache that persists across calls (multi-turn chat).
 
+    Args:
+        model: the :class:`~mlx_stream.model.SpeculativeModel` it serves.
+        max_kv_size: ``None`` keeps every token; else a bounded cache of that many
+            tokens with the attention of mlx-lm's rotating cache
+            (:class:`~mlx_stream.cache.WindowKVCache`); generations with this cache must
+            ask for the same ``max_kv_size``.
+
     Attributes:
-        layers: one :class:`~mlx_stream.cache.TreeKVCache` per backbone layer.
+        layers: one cache per backbone layer (:class:`~mlx_stream.cache.TreeKVCache`,
+            its quantized form once ``kv_bits`` applies, or
+            :class:`~mlx_stream.cache.WindowKVCache`).
         tokens: the tokens whose keys/values the cache holds, in order.
     """
 
-    def __init__(self, model):
-        self.layers = make_tree_cache(model.backbone)
+    def __init__(self, model, max_kv_size: int | None = None):
+        self.backbone, self.max_kv_size = model.backbone, max_kv_size
+        self.layers = make_tree_cache(model.backbone, max_kv_size)
         self.tokens: list[int] = []
 
     def reset(self) -> None:
         """Forget everything."""
-        trim_cache(self.layers, 0)
+        self.layers[:] = make_tree_cache(self.backbone, self.max_kv_size)
         self.tokens = []
 
-    def reuse(self, ids: Sequence[int]) -> int:
+    @property
+    def quantization(self) -> tuple[int, int] | None:
+        """``(bits, group_size)`` once the entries are stored quantized, else None."""
+        c = self.layers[0]
+        return (c.bits, c.group_size) if isinstance(c, TreeQuantizedKVCache) else None
+
+    def reuse(self, ids: Sequence[int], quantized_kv_start: int | None = None) -> int:
         """Trim the cache to its longest common prefix with ``ids``, leaving at least
-        one token of ``ids`` to prefill. Returns the number of tokens reused."""
+        one token of ``ids`` to prefill. Returns the number of tokens reused.
+
+        Where trimming cannot give what a fresh cache would (a bounded cache whose
+        window was full, or quantized entries the prompt would have kept in full
+        precision below ``quantized_kv_start``), the cache is reset instead."""
         n = 0
         limit = min(len(self.tokens), len(ids) - 1)
         while n < limit and self.tokens[n] == ids[n]:
             n += 1
+        c = self.layers[0]
+        if n < len(self.tokens) and (
+            (isinstance(c, WindowKVCache) and not c.rewindable_to(n))
+            or (
+                isinstance(c, TreeQuantizedKVCache) and (quantized_kv_start is None or n < quantized_kv_start)
+            )
+        ):
+            self.reset()
+            return 0
         trim_cache(self.layers, n)
         self.tokens = self.tokens[:n]
         return n
@@ -350,18 +388,97 @@ class _Step:
         return [self.node_tokens[i] for i in self.path[1:]] + [self.next_token]
 
 
-def _prefill(model, cache: PromptCache, ids: list[int], capture: int | None, step_size: int):
+@dataclass(frozen=True)
+class KVSettings:
+    """How the KV cache stores tokens (mlx-lm's ``generate_step`` arguments).
+
+    Attributes:
+        max_kv_size: bounded cache size in tokens, or None.
+        bits, group_size, start: with ``bits``, entries are quantized once ``start``
+            tokens are cached (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``).
+    """
+
+    max_kv_size: int | None = None
+    bits: int | None = None
+    group_size: int = 64
+    start: int = 5000
+
+    @property
+    def mlx_lm_prefill(self) -> bool:
+        # where the cache's own semantics depend on how the prompt is split, split it as
+        # mlx-lm does: prompt[:-1] in chunks, then the last token alone
+        return self.max_kv_size is not None or self.bits is not None
+
+    def depth_limit(self, offset: int) -> int:
+        """The deepest tree a step at this cache offset may verify: nodes stay inside
+        the window, and none crosses ``start`` while the entries are unquantized (the
+        token at position p attends to quantized entries iff p >= start, as in mlx-lm)."""
+        limit = 1 << 30
+        if self.max_kv_size is not None:
+            limit = self.max_kv_size - 4 - 1
+        if self.bits is not None and offset < self.start:
+            limit = min(limit, self.start - 1 - offset)
+        return limit
+
+
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def check_kv(kv: KVSettings, head_dim: int | None = None) -> None:
+    """Check the KV cache settings before anything runs.
+
+    Raises:
+        ValueError: naming the setting out of range, a group size that does not divide
+            ``head_dim``, or ``max_kv_size`` with ``kv_bits`` (mlx-lm cannot quantize its
+            rotating cache either).
+    """
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if kv.max_kv_size is not None and (not is_int(kv.max_kv_size) or kv.max_kv_size <= 4):
+        raise ValueError(
+            f"max_kv_size must be an integer > 4 (the first 4 tokens are kept), got {kv.max_kv_size!r}"
+        )
+    if kv.bits is not None and kv.bits not in KV_BITS:
+        raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {kv.bits!r}")
+    if kv.group_size not in KV_GROUP_SIZES:
+        raise ValueError(
+            f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {kv.group_size!r}"
+        )
+    if not is_int(kv.start) or kv.start < 0:
+        raise ValueError(f"quantized_kv_start must be an integer >= 0, got {kv.start!r}")
+    if kv.bits is not None and head_dim is not None and head_dim % kv.group_size:
+        raise ValueError(
+            f"kv_group_size {kv.group_size} does not divide this model's head dimension {head_dim}; "
+            f"use one of {', '.join(str(g) for g in KV_GROUP_SIZES if head_dim % g == 0) or 'none'}"
+        )
+    if kv.bits is not None and kv.max_kv_size is not None:
+        raise ValueError(
+            "kv_bits and max_kv_size cannot be combined (mlx-lm's rotating cache is not quantized either)"
+        )
+
+
+def _prefill(model, cache: PromptCache, ids: list[int], capture: int | None, step_size: int, kv: KVSettings):
     # the prompt's keys/values into the cache (reusing its common prefix); returns the last
     # position's (hidden, mid) and the number of tokens reused
-    reused = cache.reuse(ids)
+    reused = cache.reuse(ids, kv.start if kv.bits is not None else None)
     rest = ids[reused:]
+    if kv.mlx_lm_prefill:
+        body = rest[:-1]
+        pieces = [body[i : i + step_size] for i in range(0, len(body), step_size)] + [rest[-1:]]
+    else:
+        pieces = [rest[i : i + step_size] for i in range(0, len(rest), step_size)]
     chunks = []
-    for i in range(0, len(rest), step_size):
-        h, mid = model.family.prefill_hidden(
-            model.backbone, mx.array(rest[i : i + step_size]), cache.layers, capture=capture
-        )
+    for piece in pieces:
+        h, mid = model.family.prefill_hidden(model.backbone, mx.array(piece), cache.layers, capture=capture)
         hidden, mid = h[-1], (mid[-1] if mid is not None else None)
         mx.eval(h, [c.state for c in cache.layers])
+        quantize_cache(cache.layers, kv.bits, kv.group_size, kv.start)
+        if isinstance(cache.layers[0], WindowKVCache):
+            for c in cache.layers:
+                c.evict()
         chunks.append(h)
     cache.tokens = list(ids)
     return hidden, mid, reused, mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]
@@ -376,6 +493,7 @@ def _decode_step(
     last: _Step,
     depth: int,
     drafts_on: bool,
+    kv: KVSettings,
 ) -> _Step:
     # one backbone forward over the tree rooted at the last emitted token: verify the
     # drafts, keep the accepted path in the cache, and keep the states the next drafts read
@@ -396,12 +514,12 @@ def _decode_step(
         tree, drafts = no_drafts(), mx.zeros((0,), dtype=mx.int32)
     node_tokens = mx.concatenate([mx.array([last.next_token], dtype=mx.int32), drafts.astype(mx.int32)])
     positions = mx.array(start + tree.depths, dtype=mx.int32)
-    mask = None
-    if tree.size > 1:  # causal over the cache, ancestors-only inside the tree
-        mask = mx.concatenate([mx.ones((tree.size, start), dtype=mx.bool_), mx.array(tree.mask)], axis=1)
+    # causal over the cache (inside the window, for a bounded one), ancestors-only inside the tree
+    mask = attention_mask(cache.layers, tree.depths, tree.mask)
     h, mids = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers, capture=capture)  # (N, H)
     path, nxt, node_list, lps, tops = verify(tree, node_tokens, fam.project(backbone, h), tokens)
     keep_path(cache.layers, start, path)
+    quantize_cache(cache.layers, kv.bits, kv.group_size, kv.start)
     cache.tokens.extend(node_list[i] for i in path)
     path_hidden = h[mx.array(path)] if getattr(drafter, "reads_path", False) else None
     return _Step(
@@ -439,6 +557,10 @@ def stream_generate(
     adaptive: bool | None = None,
     prompt_lookup: int | None = None,
     top_logprobs: int = 0,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
 ) -> Iterator[GenerationResponse]:
     """Generate with Speculative Streaming, yielding one response per decoding step.
 
@@ -485,6 +607,16 @@ def stream_generate(
             token, the k most likely tokens at its position with their log-probabilities
             (as ``logprobs``: after the logits processors, before temperature and the
             filters); 0 (default) computes none.
+        max_kv_size: bound the KV cache to this many tokens, with the attention of
+            mlx-lm's ``max_kv_size`` (its rotating cache keeping the first 4 tokens): the
+            token at position p sees those and the last ``max_kv_size - 4`` positions.
+            Tree verification keeps that exactly (:class:`~mlx_stream.cache.WindowKVCache`),
+            so greedy output equals ``mlx_lm.generate(..., max_kv_size=...)``. A given
+            ``prompt_cache`` must have been made with the same ``max_kv_size``.
+        kv_bits, kv_group_size, quantized_kv_start: as mlx-lm: once
+            ``quantized_kv_start`` tokens are cached, keys and values are stored quantized
+            to ``kv_bits`` (2-8) in groups of ``kv_group_size``; verification runs on the
+            quantized cache. Not with ``max_kv_size`` (mlx-lm neither).
 
     Yields:
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
@@ -507,9 +639,23 @@ def stream_generate(
         raise ValueError(
             f"the prompt has {len(ids)} tokens but the model's context window is {ctx}: shorten the prompt"
         )
+    kv = KVSettings(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
+    args = model.backbone.args
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    check_kv(kv, head_dim)
+    if prompt_cache is not None and prompt_cache.max_kv_size != max_kv_size:
+        raise ValueError(
+            f"the prompt cache was made with max_kv_size={prompt_cache.max_kv_size}, this call asks for "
+            f"{max_kv_size}: make the PromptCache with the same max_kv_size"
+        )
     if adaptive is None:
         adaptive = drafter is None
     drafter = drafter if drafter is not None else make_drafter(model, tree, prompt_lookup)
+    if getattr(drafter, "capture", None) is not None and (max_kv_size is not None or kv_bits is not None):
+        raise ValueError(
+            "these heads read the backbone's cached keys/values (multi-stream attention), which "
+            "max_kv_size and kv_bits change; decode them without those options"
+        )
     verify = _TreeVerifier(
         sampling,
         list(logits_processors or []),
@@ -517,14 +663,16 @@ def stream_generate(
         np.random.SeedSequence(seed).entropy,
         top_logprobs,
     )
-    cache = prompt_cache if prompt_cache is not None else PromptCache(model)
+    cache = prompt_cache if prompt_cache is not None else PromptCache(model, max_kv_size)
+    if cache.quantization is not None and cache.quantization != (kv_bits, kv_group_size):
+        cache.reset()  # quantized for other settings: recompute
     emitter = _Emitter(tokenizer, max_tokens, [stop] if isinstance(stop, str) else list(stop or []))
     policy = SpeculationPolicy() if adaptive and drafter.tree.size > 1 else None
 
     # prefill; the last hidden state gives the first token and feeds the heads
     tic = time.perf_counter()
     hidden, mid, reused, prompt_hidden = _prefill(
-        model, cache, ids, getattr(drafter, "capture", None), prefill_step_size
+        model, cache, ids, getattr(drafter, "capture", None), prefill_step_size, kv
     )
     root = no_drafts()
     path, y, _, lps, tops = verify(
@@ -560,12 +708,16 @@ def stream_generate(
         )
         if reason is not None:
             return
-        # the tree may not reach past max_tokens or the context window
-        depth = min(max_tokens - len(emitter.tokens) - 1, room - 1 if room is not None else 1 << 30)
+        # the tree may not reach past max_tokens, the context window or the KV settings' limit
+        depth = min(
+            max_tokens - len(emitter.tokens) - 1,
+            room - 1 if room is not None else 1 << 30,
+            kv.depth_limit(cache_offset(cache.layers)),
+        )
         # the policy decides on the heads' tree; prompt-lookup chains join whenever they match
         drafts_on = depth >= 1 and (policy is None or policy.use_drafts())
         step_tic = time.perf_counter()
-        step = _decode_step(model, cache, drafter, verify, tokens, step, depth, drafts_on)
+        step = _decode_step(model, cache, drafter, verify, tokens, step, depth, drafts_on, kv)
         static = drafter.tree.truncate(depth).size if drafts_on else 1
         if policy is not None and depth >= 1 and step.tree.size == static:  # steps without a chain
             policy.observe(static > 1, time.perf_counter() - step_tic, len(step.path))

@@ -16,7 +16,13 @@ TEXT = (
 
 
 def make_tiny_model_dir(
-    path: Path, seed: int = 0, vocab: int = 384, context: int = 512, embed_scale: float = 1.0
+    path: Path,
+    seed: int = 0,
+    vocab: int = 384,
+    context: int = 512,
+    embed_scale: float = 1.0,
+    hidden: int = 64,
+    heads: int = 4,
 ) -> Path:
     """Write an mlx-lm llama folder with random weights and a byte-level BPE tokenizer.
 
@@ -54,10 +60,10 @@ def make_tiny_model_dir(
     )
     cfg = {
         "model_type": "llama",
-        "hidden_size": 64,
+        "hidden_size": hidden,
         "num_hidden_layers": 2,
         "intermediate_size": 128,
-        "num_attention_heads": 4,
+        "num_attention_heads": heads,
         "num_key_value_heads": 2,
         "rms_norm_eps": 1e-5,
         "vocab_size": n_vocab,

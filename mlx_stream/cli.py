@@ -85,11 +85,16 @@ class DecodeOptions:
     tree: str | None
     prompt_lookup: int | None
     system: str | None
+    max_kv_size: int | None
+    kv_bits: int | None
+    kv_group_size: int
+    quantized_kv_start: int
+    prompt_cache_file: str | None
 
     def generation(self, max_tokens: int) -> dict:
         """Keyword arguments of :func:`mlx_stream.stream_generate`, checked before anything
         is loaded (exit 2 with one line on a bad value)."""
-        from mlx_stream.generate import check_generation
+        from mlx_stream.generate import KVSettings, check_generation, check_kv
         from mlx_stream.sampling import SamplingParams, make_processors
 
         try:
@@ -99,6 +104,7 @@ class DecodeOptions:
                 tree=self.tree,
                 prompt_lookup=self.prompt_lookup,
             )
+            check_kv(KVSettings(self.max_kv_size, self.kv_bits, self.kv_group_size, self.quantized_kv_start))
             processors = make_processors(self.repetition_penalty)
         except ValueError as e:
             _fail(str(e))
@@ -112,11 +118,28 @@ class DecodeOptions:
             "tree": self.tree,
             "prompt_lookup": self.prompt_lookup,
             "logits_processors": processors,
+            "max_kv_size": self.max_kv_size,
+            "kv_bits": self.kv_bits,
+            "kv_group_size": self.kv_group_size,
+            "quantized_kv_start": self.quantized_kv_start,
         }
 
     def load(self):
         """``(model, tokenizer)``; exit 2 with one line when they cannot be loaded."""
         return _load(self.model, NO_HEADS if self.no_heads else self.heads, self.dtype)
+
+    def prompt_cache(self, model, tokenizer):
+        """The cache loaded from ``--prompt-cache-file``, or None; exit 2 when it cannot be."""
+        if self.prompt_cache_file is None:
+            return None
+        from mlx_stream.prompt_cache import load_prompt_cache
+
+        if self.max_kv_size is not None:
+            _fail("--prompt-cache-file holds a full cache: it cannot be combined with --max-kv-size")
+        try:
+            return load_prompt_cache(self.prompt_cache_file, model, tokenizer)
+        except (ValueError, FileNotFoundError) as e:
+            _fail(str(e))
 
 
 def _option(name: str, annotation, default) -> inspect.Parameter:
@@ -155,6 +178,45 @@ _DECODE_OPTIONS = [
         "system", str | None, typer.Option(None, "--system", help="System prompt for the chat template.")
     ),
     _option("dtype", str, _DTYPE),
+    _option(
+        "max_kv_size",
+        int | None,
+        typer.Option(
+            None,
+            "--max-kv-size",
+            help="Bound the KV cache to this many tokens (mlx-lm's rotating cache: the first 4 and the "
+            "most recent are attended to).",
+        ),
+    ),
+    _option(
+        "kv_bits",
+        int | None,
+        typer.Option(
+            None, "--kv-bits", help="Store the KV cache quantized to this many bits (4 or 8, as mlx-lm)."
+        ),
+    ),
+    _option(
+        "kv_group_size",
+        int,
+        typer.Option(64, "--kv-group-size", help="Group size of the quantized KV cache."),
+    ),
+    _option(
+        "quantized_kv_start",
+        int,
+        typer.Option(
+            5000, "--quantized-kv-start", help="Quantize the KV cache once it holds this many tokens."
+        ),
+    ),
+    _option(
+        "prompt_cache_file",
+        str | None,
+        typer.Option(
+            None,
+            "--prompt-cache-file",
+            help="Start from a KV cache saved by `mlx-stream cache-prompt` or `mlx_lm.cache_prompt` "
+            "(the prompt continues it).",
+        ),
+    ),
 ]
 
 
@@ -235,15 +297,22 @@ def generate(
         prompt = sys.stdin.read()
     _blas_hint()
     m, tok = opts.load()
+    cache = opts.prompt_cache(m, tok)
     text = prompt
     if not raw and tok.chat_template is not None:
         msgs = ([{"role": "system", "content": opts.system}] if opts.system else []) + [
             {"role": "user", "content": prompt}
         ]
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        if cache is not None:  # as mlx_lm.generate: the prompt continues the cached one
+            msgs[-1]["content"] = "<query>"
+            test = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            text = text[test.index("<query>") :]
+    if cache is not None:
+        text = [t for t in cache.tokens if t != -1] + tok.encode(text, add_special_tokens=False)
     pieces, tokens, lps, last = [], [], [], None
     try:
-        for last in stream_generate(m, tok, text, stop=stop, **settings):
+        for last in stream_generate(m, tok, text, stop=stop, prompt_cache=cache, **settings):
             pieces.append(last.text)
             tokens.extend(last.tokens)
             lps.extend(last.logprobs)
@@ -292,9 +361,58 @@ def chat(
         session = ChatSession(m, tok, system=opts.system, **settings)
     except ValueError as e:
         _fail(f"{opts.model}: {e} (`mlx-stream generate --raw`)")
+    cache = opts.prompt_cache(m, tok)
+    if cache is not None:  # reused where the conversation starts with its tokens
+        session.cache = cache
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 typed or piped in is not fatal
     run_chat(session, model_name=opts.model)
+
+
+@app.command("cache-prompt")
+def cache_prompt_command(
+    out: str = typer.Option(..., "--out", "-o", help="The .safetensors file to write."),
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="The prompt to cache ('-' reads stdin)."),
+    system: str | None = typer.Option(None, "--system", help="A system prompt (alone: cache just it)."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    model: str = _MODEL,
+    dtype: str = _DTYPE,
+    kv_bits: int | None = typer.Option(
+        None, "--kv-bits", help="Store the cache quantized to this many bits."
+    ),
+    kv_group_size: int = typer.Option(64, "--kv-group-size"),
+    quantized_kv_start: int = typer.Option(
+        0, "--quantized-kv-start", help="Quantize from this many tokens on."
+    ),
+):
+    """Prefill a prompt once and save its KV cache (mlx-lm's format) for --prompt-cache-file."""
+    from mlx_stream.prompt_cache import cache_prompt, save_prompt_cache
+
+    if prompt is None and system is None:
+        _fail("give --prompt, --system or both")
+    if not out.endswith(".safetensors"):
+        _fail(f"{out}: a prompt cache file name ends in .safetensors")
+    _check_out(out, folder=False)
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    _blas_hint()
+    m, tok = _load(model, NO_HEADS, dtype)
+    msgs = [{"role": "system", "content": system}] if system else []
+    if raw or tok.chat_template is None:
+        text = "\n".join(x for x in (system, prompt) if x)
+    elif prompt is None:  # the system turn alone: a prefix of any conversation that starts with it
+        text = tok.apply_chat_template(msgs, tokenize=False)
+    else:  # as mlx_lm.cache_prompt: the user turn left open, the next prompt continues it
+        msgs.append({"role": "user", "content": prompt})
+        text = tok.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    try:
+        cache = cache_prompt(
+            m, tok, text, kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
+        )
+        save_prompt_cache(out, cache, model, tok)
+    except ValueError as e:
+        _fail(str(e))
+    typer.echo(f"{out}: {len(cache.tokens)} tokens cached")
 
 
 @app.command()

@@ -311,9 +311,11 @@ class _TreeVerifier:
         verifier: Callable,
         entropy: int,
         top_logprobs: int = 0,
+        skip: int = 0,
     ):
         self.sampling, self.processors, self.verifier, self.entropy = sampling, processors, verifier, entropy
         self.top_logprobs = top_logprobs
+        self.skip = skip  # leading history tokens the processors do not see (unknown ids)
 
     def _top(self, logprobs: mx.array) -> tuple[mx.array, mx.array] | None:
         # the k most likely tokens at every node, unsorted: (N, k) ids and log-probabilities
@@ -343,7 +345,7 @@ class _TreeVerifier:
         if self.processors:
             paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
             logits = process_logits(
-                self.processors, mx.array(history, dtype=mx.int32), node_tokens, paths, logits
+                self.processors, mx.array(history[self.skip :], dtype=mx.int32), node_tokens, paths, logits
             )
         logprobs = log_softmax(logits)  # (N, V)
         top = self._top(logprobs)
@@ -402,12 +404,13 @@ class KVSettings:
     bits: int | None = None
     group_size: int = 64
     start: int = 5000
+    split: bool = False  # split every prefill as mlx-lm does (see mlx_lm_prefill)
 
     @property
     def mlx_lm_prefill(self) -> bool:
         # where the cache's own semantics depend on how the prompt is split, split it as
         # mlx-lm does: prompt[:-1] in chunks, then the last token alone
-        return self.max_kv_size is not None or self.bits is not None
+        return self.split or self.max_kv_size is not None or self.bits is not None
 
     def depth_limit(self, offset: int) -> int:
         """The deepest tree a step at this cache offset may verify: nodes stay inside
@@ -634,6 +637,13 @@ def stream_generate(
     ids = encode_prompt(tokenizer, prompt, model.args.vocab_size)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token")
+    # a cache loaded from an mlx-lm prompt cache file holds tokens whose ids it does not
+    # know (-1): the prompt continues them, as in mlx_lm.generate --prompt-cache-file
+    unknown = 0
+    if prompt_cache is not None:
+        while unknown < len(prompt_cache.tokens) and prompt_cache.tokens[unknown] == -1:
+            unknown += 1
+        ids = [-1] * unknown + ids
     ctx = model.context_length
     if ctx is not None and len(ids) >= ctx:
         raise ValueError(
@@ -662,6 +672,7 @@ def stream_generate(
         verifier or verify_coupled,
         np.random.SeedSequence(seed).entropy,
         top_logprobs,
+        skip=unknown,
     )
     cache = prompt_cache if prompt_cache is not None else PromptCache(model, max_kv_size)
     if cache.quantization is not None and cache.quantization != (kv_bits, kv_group_size):

@@ -52,6 +52,7 @@ LAYERS = [
             "mlx_stream.autotree",
             "mlx_stream.bench",
             "mlx_stream.server",
+            "mlx_stream.prompt_cache",
         },
     ),
     ("train", {"mlx_stream.train"}),

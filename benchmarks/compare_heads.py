@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_stream.cost import draft_times
-from mlx_stream.heads import new_heads
+from mlx_stream.heads import new_heads, save_heads
 from mlx_stream.loader import load
 from mlx_stream.prompts import read_jsonl
 from mlx_stream.train.eagle import EagleSequence, evaluate_eagle, train_eagle
@@ -64,9 +64,14 @@ def main():
     ap.add_argument("--eagle-lr", type=float, default=5e-4)
     ap.add_argument("--eagle-steps", type=int, default=3, help="eagle: unroll steps (training-time test)")
     ap.add_argument("--out", default="compare_heads.json")
+    ap.add_argument(
+        "--save",
+        default="",
+        help="folder: each architecture's trained heads are saved in FOLDER/ARCH (tree 5-node)",
+    )
     a = ap.parse_args()
 
-    model, tok = load(a.model, dtype="float32")
+    model, tok = load(a.model, heads=None, dtype="float32")
     K, layer = a.num_heads, len(model.backbone.layers) - a.stream_layers
     run = Path(a.run)
     tic = time.perf_counter()
@@ -137,6 +142,10 @@ def main():
             "draft_ms": draft_times(model, [tree5])[0],
         }
         print(json.dumps({arch: results[arch]}), flush=True)
+        if a.save:
+            heads.config.tree = format_tree(tree5)
+            heads.config.trained_positions = len(tr)
+            save_heads(heads, Path(a.save) / arch, dtype=mx.float16)
     Path(a.out).write_text(
         json.dumps(
             {"args": vars(a), "train_positions": len(tr), "valid_positions": len(va), "results": results},

@@ -6,7 +6,7 @@ every forward pass verifies the previous tree and drafts the next one, losslessl
 Models", arXiv 2402.11131).
 
     >>> from mlx_stream import load, generate
-    >>> model, tokenizer = load("smollm2-135m-instruct", heads="default")  # the shipped heads
+    >>> model, tokenizer = load("smollm2-135m-instruct")  # the shipped heads (heads=None: plain)
     >>> generate(model, tokenizer, "Hello", max_tokens=32)
 
 The names below are imported on first use, so ``import mlx_stream`` (and the

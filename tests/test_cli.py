@@ -107,12 +107,22 @@ def test_chat_turns_reset_and_eof(tiny_dir):
 
 def test_convert_cli_refuses_what_it_cannot_convert(tmp_path):
     r = run("convert", str(tmp_path / "x.bin"), "--out", str(tmp_path / "o"))
-    assert r.returncode == 2 and "Hugging Face checkpoint folder or a .gguf" in r.stderr
+    assert r.returncode == 2 and "Hugging Face checkpoint folder, a .gguf file or a model alias" in r.stderr
     (tmp_path / "empty").mkdir()
     r = run("convert", str(tmp_path / "empty"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "config.json" in r.stderr and not (tmp_path / "o").exists()
     r = run("convert", str(tmp_path / "empty"), "--out", str(tmp_path / "o"), "--quantize", "--q-bits", "3")
     assert r.returncode == 2
+
+
+def test_convert_takes_the_model_aliases(tmp_path):
+    # the names --model takes: the alias's GGUF, converted into a folder plain mlx-lm loads
+    r = run("convert", "smollm2-135m-instruct", "--out", str(tmp_path / "smol"))
+    assert r.returncode == 0, r.stderr
+    import mlx_lm
+
+    model, tok = mlx_lm.load(str(tmp_path / "smol"))
+    assert model.args.vocab_size == 49152 and tok.encode("hello")
 
 
 def test_only_the_mlx_stream_namespace_is_installed(tmp_path):

@@ -66,7 +66,7 @@ def test_bad_heads_files(tiny, tmp_path):
 
 def test_fingerprint_ignores_quantisation(real):
     model, tok = real
-    q, qtok = load("smollm2-135m-instruct", dtype="quantized")
+    q, qtok = load("smollm2-135m-instruct", heads=None, dtype="quantized")
     assert backbone_fingerprint(q.backbone, qtok) == backbone_fingerprint(model.backbone, tok)
 
 
@@ -155,3 +155,13 @@ def test_msa_heads_roundtrip_and_config(tiny, tmp_path):
     with pytest.raises(ValueError, match="stream_logits"):
         model.heads = loaded
         model.head_logits(mx.zeros((model.args.hidden_size,)))
+
+
+def test_the_api_speculates_by_default():
+    # as the command line: the heads shipped for the model are attached unless asked otherwise
+    from mlx_stream import load
+
+    model, tok = load("smollm2-135m-instruct", dtype="float32")
+    assert model.heads is not None and model.heads.config.tree
+    plain, _ = load("smollm2-135m-instruct", heads=None, dtype="float32")
+    assert plain.heads is None

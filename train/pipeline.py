@@ -51,7 +51,7 @@ def _in_processes(target, arg_lists: list[tuple]) -> None:
 def _synth_worker(model_spec: str, dtype: str, n: int, seed: int, path: Path) -> None:
     from mlx_stream.loader import load
 
-    model, tokenizer = load(model_spec, dtype=dtype)
+    model, tokenizer = load(model_spec, heads=None, dtype=dtype)
     log = lambda m: _log(f"[seed {seed}] {m}")  # noqa: E731
     write_jsonl(({"prompt": p} for p in synthesize_prompts(model, tokenizer, n, seed=seed, log=log)), path)
 
@@ -163,7 +163,7 @@ def distill_part(
 def _worker(model_spec: str, dtype: str, rows, todo, part, num_heads, max_tokens, batch_size, label, top_k):
     from mlx_stream.loader import load
 
-    model, tokenizer = load(model_spec, dtype=dtype)
+    model, tokenizer = load(model_spec, heads=None, dtype=dtype)
     distill_part(model, tokenizer, rows, todo, part, num_heads, max_tokens, batch_size, label, top_k)
 
 
@@ -420,7 +420,7 @@ def run(
     if out.exists() and any(out.iterdir()) and not resume:
         raise ValueError(f"{out}: holds a previous run; pass --resume to continue it or choose another --out")
     tic = time.perf_counter()
-    model, tokenizer = load(model_spec, dtype=dtype)
+    model, tokenizer = load(model_spec, heads=None, dtype=dtype)
     fp = backbone_fingerprint(model.backbone, tokenizer)
     init = None
     if init_heads is not None:

@@ -1,10 +1,12 @@
 """Peak memory and tau of a long conversation under the KV cache settings.
 
-One generation of ``--total`` tokens (a long prompt, then greedy output up to the
-total; EOS ignored by a logits processor that masks it, so every run has the same
-length) on the default model with its shipped heads, for each setting: the full
-cache, ``max_kv_size`` and ``kv_bits`` (quantized from the start). Prints peak memory
-(MLX's allocator, reset before each run), the KV cache's own size at the end, tau and
+A multi-turn chat (:class:`mlx_stream.ChatSession`, the KV cache kept across turns, as
+``mlx-stream chat``) on the default model with its shipped heads, greedy, asking the
+questions below in turn (replies up to ``--reply-tokens``) until the conversation holds
+``--total`` tokens; once for each KV cache setting: the full cache, ``max_kv_size``,
+``kv_bits`` (quantized from the start; plain decoding, as drafting is refused
+with it). Prints peak memory (MLX's allocator, reset
+before each conversation), the KV cache's size at the end, tau over all replies and
 tokens/s as a markdown table.
 
     python benchmarks/kv_memory.py --total 4000
@@ -19,23 +21,37 @@ import time
 
 import mlx.core as mx
 
-from mlx_stream import PromptCache, load, stream_generate
+from mlx_stream import ChatSession, NoDrafter, PromptCache, load
 
 
 def cache_bytes(cache: PromptCache) -> int:
     total = 0
     for c in cache.layers:
         for a in (c.keys, c.values):
-            for x in a if isinstance(a, tuple) else (a,):
+            for x in a if isinstance(a, (tuple, list)) else (a,):
                 total += x.nbytes if x is not None else 0
     return total
+
+
+QUESTIONS = [
+    "Tell me the story of a lighthouse keeper who finds a message in a bottle.",
+    "What happened next? Continue the story with more details.",
+    "Describe the lighthouse itself: its history, its rooms and its lamp.",
+    "Now write a letter from the keeper to his sister about that winter.",
+    "Summarise the story so far in a few sentences.",
+    "Explain how a lighthouse lens works, step by step.",
+    "Write a short poem about the sea at night.",
+    "What could the keeper do to pass the long evenings? Give ten ideas.",
+    "Continue the story: a storm arrives and a ship is in trouble.",
+    "How does the story end? Write the last chapter.",
+]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--total", type=int, default=4000, help="prompt + output tokens")
-    ap.add_argument("--prompt-tokens", type=int, default=1000)
+    ap.add_argument("--total", type=int, default=4000, help="tokens in the conversation at the end")
+    ap.add_argument("--reply-tokens", type=int, default=400)
     ap.add_argument(
         "--settings",
         default="full;max_kv_size=512;kv_bits=8;kv_bits=4",
@@ -43,19 +59,9 @@ def main():
     )
     a = ap.parse_args()
     model, tok = load(a.model, heads="default", dtype="float32")
-    text = open(__file__).read() * 20  # any long text
-    msgs = [{"role": "user", "content": "Summarise and continue this file:\n" + text}]
-    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
-    ids = ids[: a.prompt_tokens]
-    eos = list(tok.eos_token_ids)
-
-    def no_eos(tokens, logits):
-        return logits.at[..., eos].add(-1e9)
-
-    n = a.total - len(ids)
-    print(f"model {a.model} (float32, shipped heads); {len(ids)} prompt tokens + {n} generated\n")
-    print("| KV cache | peak memory (GB) | KV cache at the end (MB) | tau | tokens/s |")
-    print("|---|---|---|---|---|")
+    print(f"model {a.model} (float32, shipped heads), greedy chat up to {a.total} tokens\n")
+    print("| KV cache | turns | tokens | peak memory (GB) | KV cache at the end (MB) | tau | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
     for spec in a.settings.split(";"):
         kw = {}
         if spec != "full":
@@ -64,17 +70,23 @@ def main():
                 kw[k] = int(v)
         if "kv_bits" in kw:
             kw.setdefault("quantized_kv_start", 0)
-        cache = PromptCache(model, kw.get("max_kv_size"))
+            kw["drafter"] = NoDrafter()  # drafting is refused with kv_bits: plain decoding
+            spec += " (plain decoding)"
+        chat = ChatSession(model, tok, max_tokens=a.reply_tokens, **kw)
         mx.clear_cache()
         mx.reset_peak_memory()
-        tic = time.perf_counter()
-        *_, r = stream_generate(
-            model, tok, ids, max_tokens=n, prompt_cache=cache, logits_processors=[no_eos], **kw
-        )
+        tic, generated, passes, turns, length = time.perf_counter(), 0, 0, 0, 0
+        while length < a.total:
+            *_, r = chat.send(QUESTIONS[turns % len(QUESTIONS)])
+            turns += 1
+            generated += r.generation_tokens
+            passes += r.forward_passes
+            length = r.prompt_tokens + r.generation_tokens
         wall = time.perf_counter() - tic
+        tau = (generated - turns) / max(passes, 1)  # tokens after each reply's first, per pass
         print(
-            f"| {spec} | {mx.get_peak_memory() / 1e9:.3f} | {cache_bytes(cache) / 1e6:.1f} | {r.tau:.3f} | "
-            f"{r.generation_tokens / wall:.1f} |",
+            f"| {spec} | {turns} | {length} | {mx.get_peak_memory() / 1e9:.3f} | "
+            f"{cache_bytes(chat.cache) / 1e6:.1f} | {tau:.3f} | {generated / wall:.1f} |",
             flush=True,
         )
 

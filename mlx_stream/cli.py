@@ -290,11 +290,12 @@ def generate(
     ),
 ):
     """Generate a completion for one prompt."""
-    from mlx_stream.generate import stream_generate
+    from mlx_stream.generate import encode_prompt, stream_generate
 
     settings = opts.generation(max_tokens)
     if prompt == "-":
         prompt = sys.stdin.read()
+    stop = [s.replace("\\n", "\n").replace("\\t", "\t") for s in stop]  # as mlx-lm's prompt: "\n" typed
     _blas_hint()
     m, tok = opts.load()
     cache = opts.prompt_cache(m, tok)
@@ -304,12 +305,17 @@ def generate(
             {"role": "user", "content": prompt}
         ]
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        if cache is not None:  # as mlx_lm.generate: the prompt continues the cached one
-            msgs[-1]["content"] = "<query>"
-            test = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            text = text[test.index("<query>") :]
     if cache is not None:
-        text = [t for t in cache.tokens if t != -1] + tok.encode(text, add_special_tokens=False)
+        full = encode_prompt(tok, text)
+        known = [t for t in cache.tokens if t != -1]
+        if known and full[: len(known)] == known:
+            text = full  # the prompt starts with the cached tokens (a cached system prompt): reused
+        else:  # as mlx_lm.generate: the prompt continues the cached one (an open user turn)
+            if not raw and tok.chat_template is not None:
+                msgs[-1]["content"] = "<query>"
+                test = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                text = text[test.index("<query>") :]
+            text = known + tok.encode(text, add_special_tokens=False)
     pieces, tokens, lps, last = [], [], [], None
     try:
         for last in stream_generate(m, tok, text, stop=stop, prompt_cache=cache, **settings):

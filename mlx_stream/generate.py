@@ -29,7 +29,7 @@ from .cache import (
     quantize_cache,
     trim_cache,
 )
-from .drafters import AcceptanceObserver, Drafter, propose
+from .drafters import AcceptanceObserver, Drafter, NoDrafter, propose
 from .sampling import LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
 from .tree import Tree, no_drafts
@@ -414,14 +414,8 @@ class KVSettings:
 
     def depth_limit(self, offset: int) -> int:
         """The deepest tree a step at this cache offset may verify: nodes stay inside
-        the window, and none crosses ``start`` while the entries are unquantized (the
-        token at position p attends to quantized entries iff p >= start, as in mlx-lm)."""
-        limit = 1 << 30
-        if self.max_kv_size is not None:
-            limit = self.max_kv_size - 4 - 1
-        if self.bits is not None and offset < self.start:
-            limit = min(limit, self.start - 1 - offset)
-        return limit
+        the window (quantized caches decode plainly: see :func:`stream_generate`)."""
+        return self.max_kv_size - 4 - 1 if self.max_kv_size is not None else 1 << 30
 
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports
@@ -619,7 +613,9 @@ def stream_generate(
         kv_bits, kv_group_size, quantized_kv_start: as mlx-lm: once
             ``quantized_kv_start`` tokens are cached, keys and values are stored quantized
             to ``kv_bits`` (2-8) in groups of ``kv_group_size``; verification runs on the
-            quantized cache. Not with ``max_kv_size`` (mlx-lm neither).
+            quantized cache. Only with plain decoding (a tree's batched keys can round to
+            other quantization levels than sequential decoding's: ValueError with a
+            drafter), and not with ``max_kv_size`` (mlx-lm neither).
 
     Yields:
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
@@ -643,8 +639,15 @@ def stream_generate(
     if prompt_cache is not None:
         while unknown < len(prompt_cache.tokens) and prompt_cache.tokens[unknown] == -1:
             unknown += 1
+        q = prompt_cache.quantization
+        if unknown and q is not None and q != (kv_bits, kv_group_size):
+            raise ValueError(
+                f"this prompt cache holds tokens quantized with kv_bits={q[0]}, kv_group_size={q[1]} "
+                "that cannot be recomputed (their ids are unknown): pass the same kv_bits and kv_group_size"
+            )
         ids = [-1] * unknown + ids
-    ctx = model.context_length
+    # a bounded cache has no context window: positions run on, as in mlx-lm
+    ctx = model.context_length if max_kv_size is None else None
     if ctx is not None and len(ids) >= ctx:
         raise ValueError(
             f"the prompt has {len(ids)} tokens but the model's context window is {ctx}: shorten the prompt"
@@ -661,6 +664,14 @@ def stream_generate(
     if adaptive is None:
         adaptive = drafter is None
     drafter = drafter if drafter is not None else make_drafter(model, tree, prompt_lookup)
+    if kv_bits is not None and not isinstance(drafter, NoDrafter):
+        raise ValueError(
+            "kv_bits cannot be combined with drafting: a draft tree's keys come from one batched "
+            "pass and differ from one-token-at-a-time decoding by float rounding (~1e-6), which "
+            "quantization can turn into a whole quantization step, so the output could drift from "
+            "plain decoding's; decode plainly with it (heads=None and prompt_lookup=0; --no-heads "
+            "on the command line), or bound memory with max_kv_size instead"
+        )
     if getattr(drafter, "capture", None) is not None and (max_kv_size is not None or kv_bits is not None):
         raise ValueError(
             "these heads read the backbone's cached keys/values (multi-stream attention), which "

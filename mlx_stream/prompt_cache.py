@@ -127,7 +127,7 @@ def load_prompt_cache(path: str | Path, model, tokenizer) -> PromptCache:
             )
         quantized = isinstance(c, QuantizedKVCache)
         keys = c.keys[0] if quantized else c.keys
-        dim = keys.shape[-1] * (32 // c.bits) if quantized else keys.shape[-1]
+        dim = keys.shape[-1] * 32 // c.bits if quantized else keys.shape[-1]  # bits per uint32: 32
         if keys is None or keys.shape[1] != kv_heads or dim != head_dim:
             raise ValueError(
                 f"{path}: made for another model ({meta.get('model', '?')}): its keys do not have "

@@ -9,7 +9,7 @@ import pytest
 from helpers import ours
 from mlx_lm.models.cache import RotatingKVCache
 
-from mlx_stream import ChatSession, OracleDrafter, PromptCache, chain, load
+from mlx_stream import ChatSession, NoDrafter, OracleDrafter, PromptCache, chain, load
 from mlx_stream.cache import TreeQuantizedKVCache, WindowKVCache
 from mlx_stream.heads import new_heads
 
@@ -70,6 +70,12 @@ def test_max_kv_size_holds_memory_bounded(spread_model):
     assert c.offset - c.dropped <= 32 + c.slack + 4  # what is held stays bounded
 
 
+def test_a_bounded_cache_runs_past_the_context_window(spread_model):
+    model, tok = spread_model  # context 512
+    got, rs = ours(model, tok, tok.encode("The quick brown fox"), 600, max_kv_size=64, tree="0;0,0")
+    assert len(got) == 600 and rs[-1].finish_reason == "length"
+
+
 def test_chat_with_max_kv_size_continues_past_the_window(spread_model):
     model, tok = spread_model
     chat = ChatSession(model, tok, max_tokens=40, max_kv_size=48, tree="0;1")
@@ -103,7 +109,8 @@ def test_kv_bits_greedy_equals_mlx_lm(wide, bits):
     ):
         kv = {"kv_bits": bits, "kv_group_size": 64, "quantized_kv_start": start}
         ref = mlx_lm_tokens(model, tok, ids, 80, prefill_step_size=16, **kv)
-        for name, kw in _drafters(model, ids, ref):
+        # plain decoding: drafting is refused with kv_bits (test_bad_kv_settings...)
+        for name, kw in [("plain", {"drafter": NoDrafter()})]:
             cache = PromptCache(model)
             got, _ = ours(model, tok, ids, 80, prefill_step_size=16, prompt_cache=cache, **kv, **kw)
             assert got == ref, (name, bits, start, len(ids))
@@ -122,6 +129,11 @@ def test_bad_kv_settings_are_refused_before_anything_runs(wide, spread_model):
         ({"max_kv_size": 64.5}, "max_kv_size"),
         ({"kv_bits": 4, "quantized_kv_start": -1}, "quantized_kv_start"),
         ({"max_kv_size": 64, "prompt_cache": PromptCache(model)}, "same max_kv_size"),
+        ({"kv_bits": 4, "tree": "0;1"}, "cannot be combined with drafting"),
+        (
+            {"kv_bits": 4, "drafter": OracleDrafter(3, [5, 6], chain(1), 100)},
+            "cannot be combined with drafting",
+        ),
     ):
         with pytest.raises(ValueError, match=words):
             ours(model, tok, [1, 2, 3], 4, **kw)
@@ -159,7 +171,7 @@ def test_real_model_max_kv_size_equals_mlx_lm(real_heads, window):
     assert rs[-1].tau > 1.0  # drafting stayed on
 
 
-@pytest.mark.parametrize("bits", [4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
 def test_real_model_kv_bits_equals_mlx_lm(real_heads, bits):
     model, tok = real_heads
     ids = _chat_ids(tok, REAL_PROMPT)
@@ -168,6 +180,8 @@ def test_real_model_kv_bits_equals_mlx_lm(real_heads, bits):
     if bits == 4:
         assert ref != mlx_lm_tokens(model, tok, ids, 120)  # 4-bit keys change the output
     cache = PromptCache(model)
-    got, rs = ours(model, tok, ids, 120, prompt_cache=cache, **kv)
-    assert got == ref and rs[-1].tau > 1.0
+    got, _ = ours(model, tok, ids, 120, prompt_cache=cache, drafter=NoDrafter(), **kv)  # plain only
+    assert got == ref
     assert isinstance(cache.layers[0], TreeQuantizedKVCache)
+    with pytest.raises(ValueError, match="cannot be combined with drafting"):
+        ours(model, tok, ids, 4, **kv)  # the shipped heads would draft

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from helpers import ours
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import load_prompt_cache as mlx_lm_load
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save
@@ -66,6 +67,35 @@ def test_quantized_caches_round_trip(tmp_path):
     assert warm == cold and rs[-1].cached_tokens == len(head)
 
 
+@pytest.mark.parametrize("bits", [3, 8])
+def test_quantized_files_of_any_width_and_unknown_tokens(bits, tmp_path):
+    from conftest import make_tiny_model_dir
+
+    model, tok = load(str(make_tiny_model_dir(tmp_path / "wide", hidden=128, heads=2)), dtype="float32")
+    head, suffix = tok.encode(DOC), tok.encode(" And then", add_special_tokens=False)
+    kv = {"kv_bits": bits, "kv_group_size": 64, "quantized_kv_start": 0}
+    path = save_prompt_cache(tmp_path / "q.safetensors", cache_prompt(model, tok, head, **kv), "wide", tok)
+    assert load_prompt_cache(path, model, tok).quantization == (bits, 64)
+    # an mlx-lm file holds no token ids: quantized for other settings, it cannot be recomputed
+    c = make_prompt_cache(model)
+    for _ in generate_step(mx.array(head), model, max_tokens=0, prompt_cache=c, **kv):
+        pass
+    mlx_lm_save(str(tmp_path / "theirs.safetensors"), c, {"model": "wide"})
+    with pytest.raises(ValueError, match="same kv_bits"):
+        ours(
+            model, tok, suffix, 4, prompt_cache=load_prompt_cache(tmp_path / "theirs.safetensors", model, tok)
+        )
+    got, _ = ours(
+        model,
+        tok,
+        suffix,
+        8,
+        prompt_cache=load_prompt_cache(tmp_path / "theirs.safetensors", model, tok),
+        **kv,
+    )
+    assert len(got) == 8
+
+
 def test_files_for_another_model_or_broken_files_are_refused(tiny, spread_dir, tmp_path):
     from conftest import make_tiny_model_dir
 
@@ -103,7 +133,8 @@ def test_cli_cache_prompt_then_generate(tiny_dir, tmp_path):
     # --system is cached, the prompt continues it: the same answer, the system turn reused
     warm = subprocess.run([*gen, "--prompt-cache-file", f], capture_output=True, text=True)
     assert warm.returncode == 0, warm.stderr
-    assert json.loads(warm.stdout)["text"] == cold["text"]
+    warm = json.loads(warm.stdout)
+    assert warm["text"] == cold["text"] and warm["prompt_tokens"] == cold["prompt_tokens"]
     r = subprocess.run(
         [*gen, "--prompt-cache-file", str(tmp_path / "nope.safetensors")], capture_output=True, text=True
     )

@@ -120,6 +120,13 @@ class PromptCache:
         c = self.layers[0]
         return (c.bits, c.group_size) if isinstance(c, TreeQuantizedKVCache) else None
 
+    def shared_prefix(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of ``ids`` the cache holds (its common prefix with them)."""
+        n, limit = 0, min(len(self.tokens), len(ids))
+        while n < limit and self.tokens[n] == ids[n]:
+            n += 1
+        return n
+
     def reuse(self, ids: Sequence[int], quantized_kv_start: int | None = None) -> int:
         """Trim the cache to its longest common prefix with ``ids``, leaving at least
         one token of ``ids`` to prefill. Returns the number of tokens reused.
@@ -127,10 +134,7 @@ class PromptCache:
         Where trimming cannot give what a fresh cache would (a bounded cache whose
         window was full, or quantized entries the prompt would have kept in full
         precision below ``quantized_kv_start``), the cache is reset instead."""
-        n = 0
-        limit = min(len(self.tokens), len(ids) - 1)
-        while n < limit and self.tokens[n] == ids[n]:
-            n += 1
+        n = min(self.shared_prefix(ids), len(ids) - 1)
         c = self.layers[0]
         if n < len(self.tokens) and (
             (isinstance(c, WindowKVCache) and not c.rewindable_to(n))

@@ -410,17 +410,9 @@ class Engine:
     def _cache_for(self, ids: list[int]):
         # the slot this prompt continues (its history is all, or nearly all, a prefix of
         # the prompt: the longest such), else the least recently used slot; to the front
-        def shared(c):
-            n = 0
-            for a, b in zip(c.tokens, ids):
-                if a != b:
-                    break
-                n += 1
-            return n
-
         best, best_len = len(self.caches) - 1, -1
         for i, c in enumerate(self.caches):
-            n = shared(c)
+            n = c.shared_prefix(ids)
             if n >= 0.9 * len(c.tokens) and n > best_len:
                 best, best_len = i, n
         cache = self.caches.pop(best)

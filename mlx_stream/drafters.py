@@ -24,6 +24,11 @@ class Drafter(Protocol):
         tree: the tree shape this drafter fills (root included).
         capture: ``None``, or the layer l whose input hidden state (and the KV cache)
             the drafter reads as well (multi-stream attention heads).
+
+    A drafter with the attribute ``coupled = True`` also takes ``noise=``, a
+    :class:`~mlx_stream.sampling.DraftNoise` (None when greedy): when sampling, its drafts
+    at depth d are the top-k of ``noise.perturb(its logits, d)``, so they follow the
+    target's Gumbel-max draws (see :class:`~mlx_stream.sampling.GumbelNoise`).
     """
 
     tree: Tree
@@ -58,10 +63,18 @@ class TreeProposer(Protocol):
     """
 
     def propose(
-        self, hidden: mx.array, tokens: Sequence[int], max_depth: int, mid=None, cache=None, base: bool = True
+        self,
+        hidden: mx.array,
+        tokens: Sequence[int],
+        max_depth: int,
+        mid=None,
+        cache=None,
+        base: bool = True,
+        noise=None,
     ) -> tuple[Tree, mx.array]:
         """This step's tree (at most ``max_depth`` deep; ``base=False``: without the
-        static tree) and its ``(N - 1,)`` int32 drafts in node order, lazy (no host sync)."""
+        static tree) and its ``(N - 1,)`` int32 drafts in node order, lazy (no host sync);
+        ``noise`` as for a coupled :class:`Drafter`."""
         ...
 
 
@@ -113,8 +126,16 @@ class HeadsDrafter:
     attending to the KV cache (read only), then fill the tree as independent heads
     do (Bhendawade et al. 2024, sec. 3.1).
 
+    When sampling (``noise``), each node's candidates are the top-k of the head's logits
+    over the temperature plus the Gumbel noise of the position they draft, so the heads'
+    distribution q is the proposal: a draft is accepted about as often as q agrees with
+    the target's distribution, not only when the target happens to draw q's argmax
+    (:class:`~mlx_stream.sampling.GumbelNoise`).
+
     Everything stays lazy on the device: no host sync while drafting.
     """
+
+    coupled = True
 
     def __init__(self, model, tree: Tree):
         if model.heads is None:
@@ -156,11 +177,11 @@ class HeadsDrafter:
             prev = nodes
         return levels
 
-    def draft(self, hidden, tokens, mid=None, cache=None):
+    def draft(self, hidden, tokens, mid=None, cache=None, noise=None):
         if self.tree.size == 1:
             return mx.zeros((0,), dtype=mx.int32)
         if self._levels is not None:
-            return self._draft_conditioned(hidden, tokens[-1])
+            return self._draft_conditioned(hidden, tokens[-1], noise)
         if self.capture is not None:
             if mid is None or cache is None:
                 raise ValueError("msa heads draft from the top layers' input and the KV cache (mid=, cache=)")
@@ -168,16 +189,23 @@ class HeadsDrafter:
         else:
             logits = self.model.head_logits(hidden, self._rows)
         logits = logits[: self.tree.depth]  # (D, V or V')
+        if noise is not None:
+            logits = mx.stack(
+                [noise.perturb(logits[d - 1], d, self._ids) for d in range(1, logits.shape[0] + 1)]
+            )
         top = _topk(logits, self._k)[self._head_idx, self._rank_idx]
         return (top if self._ids is None else self._ids[top]).astype(mx.int32)
 
-    def _draft_conditioned(self, hidden, root: int) -> mx.array:
+    def _draft_conditioned(self, hidden, root: int, noise=None) -> mx.array:
         heads, out = self.model.heads, []
         state = hidden.astype(mx.float32)[None]  # (1, H): level 0 is the root
         toks = mx.array([root], dtype=mx.int32)
         for d, (k, prow, crow, rank) in enumerate(self._levels, start=1):
             s = heads.step(d, state[prow], self.model.embed(toks[prow]))  # (n_parents, H)
-            top = _topk(self.model.project(s, self._rows), k)  # (n_parents, k)
+            logits = self.model.project(s, self._rows)
+            if noise is not None:
+                logits = noise.perturb(logits, d, self._ids)
+            top = _topk(logits, k)  # (n_parents, k)
             toks = top[crow, rank]
             if self._ids is not None:
                 toks = self._ids[toks]
@@ -214,6 +242,7 @@ class EagleDrafter:
 
     capture = None
     reads_path = True
+    coupled = True
 
     def __init__(self, model, tree: Tree):
         from mlx_lm.models.cache import KVCache
@@ -255,11 +284,12 @@ class EagleDrafter:
             masks.append(mx.array(rows, dtype=mx.bool_))
         return masks
 
-    def draft(self, hidden, tokens, mid=None, cache=None, max_depth: int | None = None):
+    def draft(self, hidden, tokens, mid=None, cache=None, max_depth: int | None = None, noise=None):
         """``hidden``: ``(P, H)`` the backbone's features of the P positions verified
         since the last call (the prompt's at the first call), the root's parent last.
         ``max_depth=0`` only records them (a step drafted without the layer); a call
-        whose positions do not follow the last one's starts a fresh cache."""
+        whose positions do not follow the last one's starts a fresh cache. ``noise``:
+        as for :class:`HeadsDrafter` (sampling)."""
         draft = self.model.heads.eagle
         hidden = hidden.reshape(-1, hidden.shape[-1])
         P, r = hidden.shape[0], len(tokens) - 1
@@ -291,7 +321,10 @@ class EagleDrafter:
                 m = mx.concatenate([mx.ones((spec.shape[0], self._committed), dtype=mx.bool_), spec], axis=1)
                 p = mx.full((spec.shape[0],), r + d - 2, dtype=mx.int32)
                 scored = draft(feats[prow], self.model.embed(toks[prow]), p, m, self.cache)
-            top = _topk(self.model.project(scored, self._rows), k)  # (n_parents, k)
+            logits = self.model.project(scored, self._rows)
+            if noise is not None:
+                logits = noise.perturb(logits, d, self._ids)
+            top = _topk(logits, k)  # (n_parents, k)
             toks = top[crow, rank]
             if self._ids is not None:
                 toks = self._ids[toks]
@@ -450,13 +483,14 @@ class LookupDrafter:
         return self.base.tree
 
     def propose(
-        self, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True
+        self, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True, noise=None
     ) -> tuple[Tree, mx.array]:
         """The step's tree and its ``(N - 1,)`` drafts, at most ``max_depth`` deep;
-        ``base=False`` leaves the base drafter's tree out (the lookup chain alone)."""
+        ``base=False`` leaves the base drafter's tree out (the lookup chain alone);
+        ``noise`` goes to the base drafter (the chain is the context's own tokens)."""
         from .lookup import append_chain, prompt_lookup
 
-        tree, drafts = propose(self.base, hidden, tokens, max_depth, mid, cache, base=base)
+        tree, drafts = propose(self.base, hidden, tokens, max_depth, mid, cache, base=base, noise=noise)
         self._pending = None
         n = min(self.num_draft, max_depth)
         source, chain_ = "context", prompt_lookup(tokens, n, self.max_ngram, self.min_ngram)
@@ -475,28 +509,31 @@ class LookupDrafter:
 
 
 def propose(
-    drafter, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True
+    drafter, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True, noise=None
 ) -> tuple[Tree, mx.array]:
     """One step's draft tree and tokens from any drafter, at most ``max_depth`` deep.
 
     A :class:`TreeProposer` (a tree that changes per step, like :class:`LookupDrafter`)
     answers itself; static drafters fill ``drafter.tree``
     truncated to ``max_depth``. ``base=False`` drops the static tree (a plain step,
-    plus whatever a dynamic drafter adds on its own).
+    plus whatever a dynamic drafter adds on its own). ``noise`` (a
+    :class:`~mlx_stream.sampling.DraftNoise`, when sampling) reaches drafters that are
+    ``coupled``; others draft as when greedy.
 
     Returns:
         ``(tree, drafts)``: ``drafts`` is ``(tree.size - 1,)`` int32 in node order.
     """
     if isinstance(drafter, TreeProposer):
-        return drafter.propose(hidden, tokens, max_depth, mid=mid, cache=cache, base=base)
+        return drafter.propose(hidden, tokens, max_depth, mid=mid, cache=cache, base=base, noise=noise)
     tree = drafter.tree.truncate(max_depth if base else 0)
+    kw = {"noise": noise} if noise is not None and getattr(drafter, "coupled", False) else {}
     if getattr(drafter, "reads_path", False):  # keeps its own cache in step, drafting or not
-        drafts = drafter.draft(hidden, tokens, max_depth=tree.depth)
+        drafts = drafter.draft(hidden, tokens, max_depth=tree.depth, **kw)
         return tree, drafts[: tree.size - 1].astype(mx.int32)
     if tree.size == 1:
         return tree, mx.zeros((0,), dtype=mx.int32)
     if getattr(drafter, "capture", None) is None:
-        drafts = drafter.draft(hidden, tokens)
+        drafts = drafter.draft(hidden, tokens, **kw)
     else:
-        drafts = drafter.draft(hidden, tokens, mid=mid, cache=cache)
+        drafts = drafter.draft(hidden, tokens, mid=mid, cache=cache, **kw)
     return tree, drafts[: tree.size - 1].astype(mx.int32)

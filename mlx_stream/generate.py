@@ -30,10 +30,10 @@ from .cache import (
     trim_cache,
 )
 from .drafters import AcceptanceObserver, Drafter, NoDrafter, propose
-from .sampling import LogitsProcessor, SamplingParams, log_softmax, process_logits
+from .sampling import DraftNoise, GumbelNoise, LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
 from .tree import Tree, no_drafts
-from .verify import verify_coupled, verify_greedy
+from .verify import verify_greedy
 
 
 @dataclass
@@ -303,23 +303,35 @@ class _Emitter:
 class _TreeVerifier:
     """The target's distribution at every tree node, and the accepted path through it.
 
-    Runs the logits processors at every node on that node's own history, then greedy
-    verification or the sampled rule (``verifier``, with one uniform per position keyed
-    by (seed, position)); one host sync per call.
+    Runs the logits processors at every node on that node's own history, then takes the
+    target's token at every node: the argmax when greedy, otherwise the Gumbel-max draw
+    ``argmax(mask(logprobs) / temp + g)`` with the noise of the token's position
+    (:class:`~mlx_stream.sampling.GumbelNoise`), both on the device; the accepted path is
+    the longest one whose drafts equal those tokens
+    (:func:`~mlx_stream.verify.verify_greedy`). A custom ``verifier`` ``f(tree, tokens,
+    probs, uniforms)`` gets the processed distributions on the host and one uniform per
+    position keyed by (seed, position) instead. One host sync per call.
     """
 
     def __init__(
         self,
         sampling: SamplingParams,
         processors: Sequence[LogitsProcessor],
-        verifier: Callable,
+        verifier: Callable | None,
         entropy: int,
+        vocab_size: int,
         top_logprobs: int = 0,
         skip: int = 0,
     ):
         self.sampling, self.processors, self.verifier, self.entropy = sampling, processors, verifier, entropy
         self.top_logprobs = top_logprobs
         self.skip = skip  # leading history tokens the processors do not see (unknown ids)
+        self.noise = None if sampling.greedy or verifier is not None else GumbelNoise(entropy, vocab_size)
+
+    def draft_noise(self, start: int) -> DraftNoise | None:
+        """The noise drafts at position ``start`` onwards are coupled with (None when greedy
+        or with a custom verifier)."""
+        return None if self.noise is None else DraftNoise(self.sampling.temp, self.noise, start)
 
     def _top(self, logprobs: mx.array) -> tuple[mx.array, mx.array] | None:
         # the k most likely tokens at every node, unsorted: (N, k) ids and log-probabilities
@@ -353,18 +365,22 @@ class _TreeVerifier:
             )
         logprobs = log_softmax(logits)  # (N, V)
         top = self._top(logprobs)
-        if self.sampling.greedy:
-            targets = mx.argmax(logits, axis=-1)
-            best = mx.max(logprobs, axis=-1)
-            mx.eval(node_tokens, targets, best, top)
+        if self.verifier is None or self.sampling.greedy:
+            if self.sampling.greedy:
+                scores = logits
+            else:  # the token after a node of depth d lands at position len(history) + d
+                g = self.noise.rows(len(history), tree.depth + 1)[mx.array(tree.depths, dtype=mx.int32)]
+                scores = self.sampling.mask(logprobs) * (1.0 / self.sampling.temp) + g
+            targets = mx.argmax(scores, axis=-1)
+            chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+            mx.eval(node_tokens, targets, chosen, top)
             toks = node_tokens.tolist()
             path, nxt = verify_greedy(tree, toks, targets.tolist())
-            best = best.tolist()
-            return path, nxt, toks, [best[i] for i in path], self._top_rows(top, path)
+            chosen = chosen.tolist()
+            return path, nxt, toks, [chosen[i] for i in path], self._top_rows(top, path)
         probs = self.sampling.distribution(logprobs)
         mx.eval(node_tokens, probs, logprobs, top)
         toks = node_tokens.tolist()
-        # the token after a node of depth d lands at position len(history) + d
         uniforms = [
             np.random.default_rng([self.entropy, len(history) + d]).random() for d in range(tree.depth + 1)
         ]
@@ -510,6 +526,7 @@ def _decode_step(
             last.mid,
             cache.layers if capture is not None else None,
             base=drafts_on,
+            noise=verify.draft_noise(len(tokens)),
         )
     else:
         tree, drafts = no_drafts(), mx.zeros((0,), dtype=mx.int32)
@@ -567,7 +584,10 @@ def stream_generate(
 
     Greedy output (``temp=0``) is token-for-token the backbone's greedy output;
     sampled output has exactly the backbone's distribution under the same sampling
-    settings (see :mod:`mlx_stream.sampling` and :func:`mlx_stream.verify.verify_sample`).
+    settings: each token is the Gumbel-max draw from the target's processed distribution
+    with noise keyed by (seed, position), and drafts are perturbed by the same noise, so
+    they are accepted about as often as their distribution agrees with the target's
+    (:class:`~mlx_stream.sampling.GumbelNoise`; :mod:`mlx_stream.sampling`).
 
     Args:
         model: a :class:`~mlx_stream.model.SpeculativeModel` from :func:`mlx_stream.load`.
@@ -587,15 +607,18 @@ def stream_generate(
         drafter: a custom :class:`~mlx_stream.drafters.Drafter` (overrides ``tree`` and
             ``prompt_lookup``).
         stop: stop string(s); output ends before the first occurrence.
-        seed: an int >= 0 (``temp > 0``): the token at each position is drawn with a
-            uniform keyed by (seed, position), so the same seed and settings give the
-            same output whatever else runs in the process, and whatever is drafted
+        seed: an int >= 0 (``temp > 0``): the token at each position is drawn with
+            Gumbel noise keyed by (seed, position), so the same seed and settings give
+            the same output whatever else runs in the process, and whatever is drafted
             (heads, tree, adaptive choices or plain decoding). None: fresh entropy.
         prompt_cache: a :class:`PromptCache` to reuse across calls; its common
             prefix with the prompt is not recomputed.
         prefill_step_size: prompt tokens per prefill chunk.
-        verifier: the sampled verification rule, ``f(tree, tokens, probs, uniforms) ->
-            (path, next_token)``; default :func:`~mlx_stream.verify.verify_coupled`.
+        verifier: a custom sampled verification rule, ``f(tree, tokens, probs, uniforms)
+            -> (path, next_token)`` with the ``(N, V)`` processed distributions on the host
+            and one uniform per position keyed by (seed, position) (for example
+            :func:`~mlx_stream.verify.verify_coupled`; drafts are then not coupled);
+            None (default): the Gumbel-max draw on the device.
         adaptive: decode plainly while drafts do not pay (measured online, see
             :class:`~mlx_stream.adaptive.SpeculationPolicy`); the output is the same
             either way. None: on when drafting with the model's heads, off for a
@@ -684,8 +707,9 @@ def stream_generate(
     verify = _TreeVerifier(
         sampling,
         list(logits_processors or []),
-        verifier or verify_coupled,
+        verifier,
         np.random.SeedSequence(seed).entropy,
+        model.args.vocab_size,
         top_logprobs,
         skip=unknown,
     )

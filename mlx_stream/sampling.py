@@ -12,6 +12,12 @@ The semantics are mlx-lm's (``mlx_lm.sample_utils``):
 3. greedy (``temp == 0``) takes the argmax of those; otherwise top-p, min-p and top-k
    mask ``logprobs`` (mlx-lm's ``apply_top_p``, ``apply_min_p``, ``apply_top_k``, in
    ``make_sampler``'s order) and the token is drawn from ``softmax(masked / temp)``.
+
+The draw is ``argmax(masked / temp + g)`` with ``g`` standard Gumbel noise keyed by
+(seed, position) (:class:`GumbelNoise`): the Gumbel-max trick, which is how
+``mx.random.categorical`` samples too. Drafters perturb their own scores with the same
+noise (:class:`DraftNoise`), so a draft matches the target's draw whenever the two
+distributions roughly agree, while the draw itself never depends on what was drafted.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -155,6 +162,72 @@ class SamplingParams:
         if self.temp <= 0:
             raise ValueError("distribution() needs temp > 0; greedy decoding uses the argmax")
         return mx.softmax(self.mask(logprobs.astype(mx.float32)) * (1.0 / self.temp), axis=-1)
+
+
+class GumbelNoise:
+    """Standard Gumbel noise keyed by (seed, position): one ``(V,)`` float32 vector per
+    position of the sequence, the same whatever else runs.
+
+    With it the token at position ``pos`` is ``argmax(masked / temp + row(pos))``, an exact
+    draw from ``softmax(masked / temp)`` (the Gumbel-max trick; Gumbel 1954, Maddison et
+    al. 2014), independent across positions. A drafter that proposes ``argmax(s + row(pos))``
+    for its own scores ``s`` (log-probabilities of a draft distribution q, over a
+    temperature) matches that draw with probability at least (1 - TV) / (1 + TV), TV the
+    total-variation distance between q and the target's distribution, and the draw is the
+    same whatever was drafted: plain and speculative decoding emit the same tokens for a
+    seed (drafter-invariant speculative sampling: Daliri, Musco and Suresh 2024, "Coupling
+    without communication and drafter-invariant speculative decoding", sec. 3).
+
+    Rows are computed on the device when first asked for and kept while their position may
+    still be asked for (positions at or after the last ``start`` given to :meth:`rows`).
+
+    Args:
+        entropy: the seed's entropy (``numpy.random.SeedSequence(seed).entropy``).
+        vocab_size: V.
+    """
+
+    def __init__(self, entropy: int, vocab_size: int):
+        self.entropy, self.vocab_size = entropy, vocab_size
+        self._rows: dict[int, mx.array] = {}
+
+    def row(self, position: int) -> mx.array:
+        """``(V,)`` float32: the noise of the token at ``position`` (lazy)."""
+        if position not in self._rows:
+            a, b = np.random.SeedSequence([self.entropy, position]).generate_state(2, np.uint32)
+            key = mx.random.key((int(a) << 32) | int(b))
+            self._rows[position] = mx.random.gumbel(shape=(self.vocab_size,), key=key)
+        return self._rows[position]
+
+    def rows(self, start: int, n: int) -> mx.array:
+        """``(n, V)`` float32: the noise of positions ``start .. start + n - 1``; rows of
+        positions before ``start`` are forgotten."""
+        for p in [p for p in self._rows if p < start]:
+            del self._rows[p]
+        return mx.stack([self.row(start + i) for i in range(n)])
+
+
+@dataclass(frozen=True)
+class DraftNoise:
+    """What a drafter needs to couple its drafts with the target's sampled tokens.
+
+    Attributes:
+        temp: the target's sampling temperature (> 0); draft scores are divided by it.
+        noise: the run's :class:`GumbelNoise`.
+        start: the position of the tokens drafted at depth 1 (the root's position + 1).
+    """
+
+    temp: float
+    noise: GumbelNoise
+    start: int
+
+    def perturb(self, logits: mx.array, depth: int, ids: mx.array | None = None) -> mx.array:
+        """``(..., V')`` draft logits at tree depth ``depth`` (>= 1) -> ``logits / temp +
+        g``, ``g`` the noise of that depth's position restricted to the token ids ``ids``
+        (``(V',)``; None: the whole vocabulary). Their argmax (top-k) are the drafts."""
+        g = self.noise.row(self.start + depth - 1)
+        if ids is not None:
+            g = g[ids]
+        return logits.astype(mx.float32) * (1.0 / self.temp) + g
 
 
 def log_softmax(logits: mx.array) -> mx.array:

@@ -5,11 +5,14 @@ root first) and the next token: the target's own token at the last accepted node
 The tokens emitted by a step are the accepted drafts followed by that next token,
 so every step emits at least one token and the output is the target's.
 
-* :func:`verify_greedy`: temperature 0.
+* :func:`verify_greedy`: the walk over the target's token at every node. The decode
+  loop uses it greedy (the argmax) and sampled: there the token at every node is the
+  Gumbel-max draw with noise keyed by (seed, position) that the drafts are perturbed by
+  too (:class:`~mlx_stream.sampling.GumbelNoise`), so the draw, hence the output, does
+  not depend on what was drafted.
 * :func:`verify_sample`: the general multi-candidate rule (any draft distribution q).
 * :func:`verify_coupled`: the same rule for deterministic drafts, realised with one
-  uniform per position; the decode loop uses it, so a seeded run gives the same tokens
-  whatever was drafted (heads, tree, or plain decoding).
+  uniform per position (``stream_generate(verifier=verify_coupled)``).
 """
 
 from __future__ import annotations

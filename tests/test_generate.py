@@ -200,8 +200,8 @@ def test_sampling_is_seeded(tiny):
     model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=2)
     a, _ = ours(model, tok, "The quick", 30, temp=5.0, seed=7)
     b, _ = ours(model, tok, "The quick", 30, temp=5.0, seed=7)
-    c, _ = ours(model, tok, "The quick", 30, temp=5.0, seed=8)
-    assert a == b and a != c
+    others = {tuple(ours(model, tok, "The quick", 30, temp=5.0, seed=s)[0]) for s in range(8, 14)}
+    assert a == b and len(others | {tuple(a)}) > 1  # (this model's top token has p ~ 0.98 at T = 5)
 
 
 def test_text_that_may_become_a_stop_string_is_held_back(tiny):

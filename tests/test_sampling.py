@@ -319,3 +319,46 @@ def test_bad_sampling_parameters_are_refused(tiny):
     ]:
         with pytest.raises(ValueError, match=msg):
             next(stream_generate(model, tok, "hi", max_tokens=5, **({"temp": 1.0} | kw)))
+
+
+class CoupledSelfDrafter:
+    """Drafts the target's own chain with the loop's noise: at depth d the argmax of the
+    model's logits over the temperature plus the Gumbel noise of that position (q = p)."""
+
+    capture = None
+    coupled = True
+
+    def __init__(self, model, depth):
+        self.model, self.tree = model, parse_tree(f"chain:{depth}", depth)
+
+    def draft(self, hidden, tokens, mid=None, cache=None, noise=None):
+        ctx = list(tokens)
+        for d in range(1, self.tree.size):
+            logits = self.model.backbone(mx.array(ctx)[None])[0, -1]
+            scores = logits if noise is None else noise.perturb(logits, d)
+            ctx.append(int(mx.argmax(scores)))
+        return mx.array(ctx[len(tokens) :], dtype=mx.int32)
+
+
+@pytest.mark.parametrize("temp", [1.0, 1.5])
+def test_drafts_coupled_to_the_noise_are_accepted_when_q_is_p(spread, temp):
+    """With the target's own distribution as the proposal, a coupled draft is the target's
+    draw: nearly every draft is accepted (an uncoupled one-hot draft of the same chain is
+    accepted only with the target's probability of it), and the output is plain decoding's."""
+    model, tok, ids = spread
+    coupled = CoupledSelfDrafter(model, 3)
+    acc = {}
+    for name, drafter in (
+        ("coupled", coupled),
+        ("greedy chain", SelfDrafter(model, parse_tree("chain:3", 3))),
+    ):
+        drafted = accepted = 0
+        for seed in range(4):
+            plain, _ = ours(model, tok, ids, 24, temp=temp, seed=seed)
+            got, rs = ours(model, tok, ids, 24, temp=temp, seed=seed, drafter=drafter)
+            assert got == plain, (name, seed)
+            drafted += sum(r.drafted for r in rs[1:])
+            accepted += sum(r.accepted for r in rs)
+        acc[name] = accepted / drafted
+    print(acc)
+    assert acc["coupled"] > 0.95 and acc["greedy chain"] < 0.9

@@ -26,7 +26,7 @@ from mlx_stream.defaults import (
     NO_HEADS,
     PROMPT_LOOKUP,
 )
-from mlx_stream.train.config import TrainConfig
+from mlx_stream.train.config import CONTINUED, TrainConfig
 
 app = typer.Typer(
     help="Speculative Streaming on MLX: faster decoding with the same output, no draft model.",
@@ -684,7 +684,8 @@ def train(
     init_heads: str | None = typer.Option(
         None,
         "--init-heads",
-        help="Continue training these heads (same architecture and backbone) on this data.",
+        help="Continue training these heads (same architecture and backbone) on this data; "
+        "then --epochs, --lr and --warmup default to 1, 3e-4 and 20.",
     ),
     num_heads: int = typer.Option(_TC.num_heads, "--num-heads", "-k", help="Stream heads K."),
     architecture: str = typer.Option(
@@ -696,19 +697,25 @@ def train(
     draft_vocab: int = typer.Option(
         8192, "--draft-vocab", help="Tokens the heads score (most frequent); 0 = all."
     ),
-    epochs: float = typer.Option(_TC.epochs, "--epochs"),
+    epochs: float | None = typer.Option(
+        None, "--epochs", help=f"Passes over the data. [default: {_TC.epochs:g}; 1 with --init-heads]"
+    ),
     batch_size: int = typer.Option(
         _TC.batch_size, "--batch-size", help="Positions (tokens) per micro-batch."
     ),
     grad_accum: int = typer.Option(_TC.grad_accum, "--grad-accum"),
-    lr: float = typer.Option(_TC.lr, "--lr"),
+    lr: float | None = typer.Option(
+        None, "--lr", help=f"Peak learning rate. [default: {_TC.lr:g}; 3e-4 with --init-heads]"
+    ),
     kl_weight: float = typer.Option(
         _TC.kl_weight, "--kl-weight", help="Weight of the KL to the backbone's distribution (soft targets)."
     ),
     head_decay: float = typer.Option(
         _TC.head_decay, "--head-decay", help="Loss weight of head j is head_decay**(j-1)."
     ),
-    warmup: int = typer.Option(_TC.warmup, "--warmup", help="Warm-up optimizer steps."),
+    warmup: int | None = typer.Option(
+        None, "--warmup", help=f"Warm-up optimizer steps. [default: {_TC.warmup}; 20 with --init-heads]"
+    ),
     checkpoint_every: int = typer.Option(_TC.checkpoint_every, "--checkpoint-every"),
     seed: int = typer.Option(_TC.seed, "--seed"),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out where it stopped."),
@@ -719,6 +726,10 @@ def train(
     """Train stream heads against the frozen backbone."""
     from mlx_stream.train.pipeline import check_run_settings, run
 
+    base = CONTINUED if init_heads is not None else {"epochs": _TC.epochs, "lr": _TC.lr, "warmup": _TC.warmup}
+    epochs = base["epochs"] if epochs is None else epochs
+    lr = base["lr"] if lr is None else lr
+    warmup = base["warmup"] if warmup is None else warmup
     try:
         cfg = TrainConfig(
             num_heads=num_heads,

@@ -352,12 +352,40 @@ class _TreeVerifier:
             rows.append([(int(ids[i, j]), float(vals[i, j])) for j in order])
         return rows
 
+    def targets(self, tree: Tree, node_tokens: mx.array, logits: mx.array, history: mx.array):
+        """Lazy ``(targets (N,), chosen (N,), top, logprobs (N, V))``: the target's token at
+        every node (greedy or the Gumbel-max draw), its log-probability, the top
+        log-probabilities (or None) and the processed log-probabilities, for the ``(N,)``
+        node tokens and their ``(N, V)`` logits after ``history`` (``(L,)`` int32, up to
+        and including the root; it may be lazy). No host sync."""
+        if self.processors:
+            paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
+            logits = process_logits(self.processors, history[self.skip :], node_tokens, paths, logits)
+        logprobs = log_softmax(logits)  # (N, V)
+        if self.sampling.greedy:
+            scores = logits
+        else:  # the token after a node of depth d lands at position len(history) + d
+            g = self.noise.rows(history.size, tree.depth + 1)[mx.array(tree.depths, dtype=mx.int32)]
+            scores = self.sampling.mask(logprobs) * (1.0 / self.sampling.temp) + g
+        targets = mx.argmax(scores, axis=-1)
+        chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+        return targets, chosen, self._top(logprobs), logprobs
+
     def __call__(self, tree: Tree, node_tokens: mx.array, logits: mx.array, history: list[int]):
         """``(accepted path, next token, node tokens, log-probability of each emitted token,
         top log-probabilities)`` for the ``(N,)`` node tokens and their ``(N, V)`` logits
         after ``history``. The last is ``None`` unless ``top_logprobs`` > 0: then, per
         emitted token, the ``top_logprobs`` most likely ``(token id, log-probability)``
         pairs at its position, most likely first."""
+        if self.verifier is None or self.sampling.greedy:
+            targets, chosen, top, _ = self.targets(
+                tree, node_tokens, logits, mx.array(history, dtype=mx.int32)
+            )
+            mx.eval(node_tokens, targets, chosen, top)
+            toks = node_tokens.tolist()
+            path, nxt = verify_greedy(tree, toks, targets.tolist())
+            chosen = chosen.tolist()
+            return path, nxt, toks, [chosen[i] for i in path], self._top_rows(top, path)
         if self.processors:
             paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
             logits = process_logits(
@@ -365,19 +393,6 @@ class _TreeVerifier:
             )
         logprobs = log_softmax(logits)  # (N, V)
         top = self._top(logprobs)
-        if self.verifier is None or self.sampling.greedy:
-            if self.sampling.greedy:
-                scores = logits
-            else:  # the token after a node of depth d lands at position len(history) + d
-                g = self.noise.rows(len(history), tree.depth + 1)[mx.array(tree.depths, dtype=mx.int32)]
-                scores = self.sampling.mask(logprobs) * (1.0 / self.sampling.temp) + g
-            targets = mx.argmax(scores, axis=-1)
-            chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
-            mx.eval(node_tokens, targets, chosen, top)
-            toks = node_tokens.tolist()
-            path, nxt = verify_greedy(tree, toks, targets.tolist())
-            chosen = chosen.tolist()
-            return path, nxt, toks, [chosen[i] for i in path], self._top_rows(top, path)
         probs = self.sampling.distribution(logprobs)
         mx.eval(node_tokens, probs, logprobs, top)
         toks = node_tokens.tolist()
@@ -550,6 +565,49 @@ def _decode_step(
         h[path[-1]],
         mids[path[-1]] if mids is not None else None,
         path_hidden,
+    )
+
+
+@dataclass
+class _InFlight:
+    """A plain step queued on the device (``mx.async_eval``) and not yet read back."""
+
+    root: mx.array  # (1,) int32, possibly still being computed by the step before
+    history: mx.array  # (L,) int32, the tokens up to and including the root
+    target: mx.array  # (1,) int32: the target's token after the root
+    chosen: mx.array  # (1,) its log-probability
+    top: tuple[mx.array, mx.array] | None
+    hidden: mx.array  # (1, H)
+
+
+def _launch_plain(model, cache: PromptCache, verify: _TreeVerifier, root: mx.array, history: mx.array, kv):
+    # one plain forward over a root that may still be lazy (the step before's target):
+    # the graph is built and queued while the device works on the step before, as
+    # mlx-lm's generate_step does; nothing is read back here
+    fam, backbone, tree = model.family, model.backbone, no_drafts()
+    positions = mx.array(cache_offset(cache.layers) + tree.depths, dtype=mx.int32)
+    mask = attention_mask(cache.layers, tree.depths, tree.mask)
+    h, _ = fam.tree_hidden(backbone, root, positions, mask, cache.layers)
+    target, chosen, top, _ = verify.targets(tree, root, fam.project(backbone, h), history)
+    quantize_cache(cache.layers, kv.bits, kv.group_size, kv.start)
+    mx.async_eval(target, chosen, top, h, [c.state for c in cache.layers])
+    return _InFlight(root, history, target, chosen, top, h)
+
+
+def _finish_plain(step: _InFlight, cache: PromptCache, verify: _TreeVerifier) -> _Step:
+    # the one host sync of a plain step
+    mx.eval(step.root, step.target, step.chosen, step.top)
+    root = step.root.item()
+    cache.tokens.append(root)
+    return _Step(
+        no_drafts(),
+        [root],
+        [0],
+        step.target.item(),
+        step.chosen.tolist(),
+        verify._top_rows(step.top, [0]),
+        step.hidden[0],
+        None,
     )
 
 
@@ -731,6 +789,9 @@ def stream_generate(
     step = _Step(root, [ids[-1]], path, y, lps, tops, hidden, mid, prompt_hidden)
     prompt_tps = (len(ids) - reused) / (time.perf_counter() - tic)
 
+    # plain decoding runs one step ahead: step t + 1 is queued before step t is read back
+    pipelined = isinstance(drafter, NoDrafter) and verifier is None and max_kv_size is None
+    in_flight: _InFlight | None = None
     tic = time.perf_counter()
     n_fwd = 0
     tokens = list(ids)  # prompt + output; the root (the last emitted token) is last
@@ -739,7 +800,7 @@ def stream_generate(
         room = (ctx - len(tokens)) if ctx is not None else None  # tokens that may still follow
         delta, kept, reason = emitter.push(step.emitted, out_of_room=room is not None and room <= 0)
         elapsed = max(time.perf_counter() - tic, 1e-9)
-        yield GenerationResponse(
+        response = GenerationResponse(
             text=delta,
             tokens=kept,
             accepted=len(step.path) - 1,
@@ -757,6 +818,9 @@ def stream_generate(
             cached_tokens=reused,
         )
         if reason is not None:
+            if in_flight is not None:  # its forward wrote the last token's keys/values
+                cache.tokens.append(step.next_token)
+            yield response
             return
         # the tree may not reach past max_tokens, the context window or the KV settings' limit
         depth = min(
@@ -764,6 +828,20 @@ def stream_generate(
             room - 1 if room is not None else 1 << 30,
             kv.depth_limit(cache_offset(cache.layers)),
         )
+        if pipelined:
+            if in_flight is None:
+                in_flight = _launch_plain(
+                    model, cache, verify, mx.array([step.next_token], dtype=mx.int32), mx.array(tokens), kv
+                )
+            ahead = None
+            if depth >= 1:  # room for two more tokens: queue the step after, on the lazy token
+                history = mx.concatenate([in_flight.history, in_flight.target.astype(mx.int32)])
+                ahead = _launch_plain(model, cache, verify, in_flight.target.astype(mx.int32), history, kv)
+            yield response
+            step, in_flight = _finish_plain(in_flight, cache, verify), ahead
+            n_fwd += 1
+            continue
+        yield response
         # the policy decides on the heads' tree; prompt-lookup chains join whenever they match
         drafts_on = depth >= 1 and (policy is None or policy.use_drafts())
         step_tic = time.perf_counter()

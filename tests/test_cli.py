@@ -208,12 +208,16 @@ def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
     # continued training: new data (here with soft targets), the same heads grow
     more = tmp_path / "more"
     cont = [a if a != str(out) else str(more) for a in args]
+    i = cont.index("--epochs")
+    del cont[i : i + 2]  # a continued run's own defaults: 1 epoch at lr 3e-4, warm-up 20
     cont += ["--soft-targets", "8", "--kl-weight", "0.5", "--draft-vocab", "64"]  # a new draft vocabulary
     r = run(*cont, "--init-heads", str(out / "heads"), "--num-heads", "2")
     assert r.returncode == 2 and "num_heads 3" in r.stderr and "--num-heads 3" in r.stderr, r.stderr
     r = run(*cont, "--init-heads", str(out / "heads"))
     assert r.returncode == 0, r.stderr
     first, second = report, json.loads((more / "report.json").read_text())
+    assert (second["config"]["epochs"], second["config"]["lr"], second["config"]["warmup"]) == (1.0, 3e-4, 20)
+    assert first["config"]["lr"] == 1e-3
     seen = first["steps"] * 8  # optimizer steps x positions per step (batch 8, no accumulation)
     assert first["positions_seen_total"] == seen and second["positions_seen_before"] == seen
     assert second["positions_seen_total"] == seen + second["steps"] * 8

@@ -245,3 +245,30 @@ def test_prompts_of_the_wrong_shape_are_refused(tiny):
     ):
         with pytest.raises(ValueError, match=words):
             generate(model, tok, bad, max_tokens=4)
+
+
+def test_plain_decoding_one_step_ahead_keeps_the_cache_exact(tiny_ref):
+    # plain decoding queues step t + 1 before reading step t back; stopped by a stop string
+    # with a step in flight, the cache still holds exactly cache.tokens, and the next turn
+    # on it equals a cold run
+    from mlx_stream.cache import cache_offset
+
+    model, tok, refs = tiny_ref
+    ids, ref = refs[1]
+    text = tok.decode(ref)
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    cache = PromptCache(model)
+    got, rs = ours(model, tok, ids, 48, prompt_cache=cache, stop=stop)
+    assert rs[-1].finish_reason == "stop" and len(cache.tokens) < len(ids) + 47
+    assert cache_offset(cache.layers) == len(cache.tokens) and cache.tokens[: len(ids)] == ids
+    assert cache.tokens[len(ids) :] == ref[: len(cache.tokens) - len(ids)]
+    turn2 = ids + got + tok.encode(" and then")
+    warm, _ = ours(model, tok, turn2, 20, prompt_cache=cache)
+    cold, _ = ours(model, tok, turn2, 20)
+    assert warm == cold
+    # the logits processors see the lazy token too: the same output as the drafting loop's
+    proc = [mlx_lm.sample_utils.make_logits_processors(repetition_penalty=1.5)[0]]
+    plain, _ = ours(model, tok, ids, 40, logits_processors=proc, temp=0.8, seed=5)
+    wrong = OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size, wrong=True)
+    drafted, _ = ours(model, tok, ids, 40, logits_processors=proc, temp=0.8, seed=5, drafter=wrong)
+    assert plain == drafted and len(plain) == 40

@@ -482,6 +482,26 @@ class LookupDrafter:
         """The base drafter's static tree (the part drafted every step)."""
         return self.base.tree
 
+    def may_chain_after(self, tokens: Sequence[int]) -> bool:
+        """Whether a step rooted at the token after ``tokens`` (not known yet) may draft a
+        chain: the context's suffix (or, without one, the store's) matches already and the
+        acceptance gate would let the chain through. (A match ending at the next token
+        extends one ending here, except a fresh ``min_ngram``-token one.) Where the gate
+        would skip it, the skip is counted as :meth:`propose` counts it. The loop queues a
+        plain step on a token still being computed only when this is False."""
+        from .lookup import match_suffix
+
+        if match_suffix(tokens, self.max_ngram, self.min_ngram)[0]:
+            source = "context"
+        elif self.store is not None and self.store.lookup(tokens, 1, self.min_ngram):
+            source = "store"
+        else:
+            return False
+        if self.rates[source] >= self.min_accept or self._skipped[source] + 1 >= self.explore_every:
+            return True  # propose decides (and counts) on the real context
+        self._skipped[source] += 1
+        return False
+
     def propose(
         self, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True, noise=None
     ) -> tuple[Tree, mx.array]:

@@ -29,7 +29,7 @@ from .cache import (
     quantize_cache,
     trim_cache,
 )
-from .drafters import AcceptanceObserver, Drafter, NoDrafter, propose
+from .drafters import AcceptanceObserver, Drafter, LookupDrafter, NoDrafter, TreeProposer, propose
 from .sampling import DraftNoise, GumbelNoise, LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
 from .tree import Tree, no_drafts
@@ -523,8 +523,8 @@ def _decode_step(
     verify: _TreeVerifier,
     tokens: list[int],
     last: _Step,
-    depth: int,
-    drafts_on: bool,
+    tree: Tree,
+    drafts: mx.array,
     kv: KVSettings,
 ) -> _Step:
     # one backbone forward over the tree rooted at the last emitted token: verify the
@@ -532,19 +532,6 @@ def _decode_step(
     fam, backbone = model.family, model.backbone
     capture = getattr(drafter, "capture", None)
     start = cache_offset(cache.layers)  # == len(tokens) - 1: the root is not cached yet
-    if depth >= 1:
-        tree, drafts = propose(
-            drafter,
-            last.path_hidden if getattr(drafter, "reads_path", False) else last.hidden,
-            tokens,
-            depth,
-            last.mid,
-            cache.layers if capture is not None else None,
-            base=drafts_on,
-            noise=verify.draft_noise(len(tokens)),
-        )
-    else:
-        tree, drafts = no_drafts(), mx.zeros((0,), dtype=mx.int32)
     node_tokens = mx.concatenate([mx.array([last.next_token], dtype=mx.int32), drafts.astype(mx.int32)])
     positions = mx.array(start + tree.depths, dtype=mx.int32)
     # causal over the cache (inside the window, for a bounded one), ancestors-only inside the tree
@@ -578,9 +565,29 @@ class _InFlight:
     chosen: mx.array  # (1,) its log-probability
     top: tuple[mx.array, mx.array] | None
     hidden: mx.array  # (1, H)
+    allowed: bool = False  # drafts were allowed at this step (adaptive speculation chose none)
 
 
-def _launch_plain(model, cache: PromptCache, verify: _TreeVerifier, root: mx.array, history: mx.array, kv):
+def _propose_step(model, cache, drafter, verify, tokens, last: _Step, depth: int, drafts_on: bool):
+    # the next step's tree and drafts (lazy), at most depth deep
+    if depth < 1:
+        return no_drafts(), mx.zeros((0,), dtype=mx.int32)
+    capture = getattr(drafter, "capture", None)
+    return propose(
+        drafter,
+        last.path_hidden if getattr(drafter, "reads_path", False) else last.hidden,
+        tokens,
+        depth,
+        last.mid,
+        cache.layers if capture is not None else None,
+        base=drafts_on,
+        noise=verify.draft_noise(len(tokens)),
+    )
+
+
+def _launch_plain(
+    model, cache: PromptCache, verify: _TreeVerifier, root: mx.array, history: mx.array, kv, allowed: bool
+):
     # one plain forward over a root that may still be lazy (the step before's target):
     # the graph is built and queued while the device works on the step before, as
     # mlx-lm's generate_step does; nothing is read back here
@@ -591,7 +598,7 @@ def _launch_plain(model, cache: PromptCache, verify: _TreeVerifier, root: mx.arr
     target, chosen, top, _ = verify.targets(tree, root, fam.project(backbone, h), history)
     quantize_cache(cache.layers, kv.bits, kv.group_size, kv.start)
     mx.async_eval(target, chosen, top, h, [c.state for c in cache.layers])
-    return _InFlight(root, history, target, chosen, top, h)
+    return _InFlight(root, history, target, chosen, top, h, allowed)
 
 
 def _finish_plain(step: _InFlight, cache: PromptCache, verify: _TreeVerifier) -> _Step:
@@ -789,10 +796,21 @@ def stream_generate(
     step = _Step(root, [ids[-1]], path, y, lps, tops, hidden, mid, prompt_hidden)
     prompt_tps = (len(ids) - reused) / (time.perf_counter() - tic)
 
-    # plain decoding runs one step ahead: step t + 1 is queued before step t is read back
-    pipelined = isinstance(drafter, NoDrafter) and verifier is None and max_kv_size is None
-    in_flight: _InFlight | None = None
-    tic = time.perf_counter()
+    # A plain step (no drafts) is queued on the device before the step before it is read
+    # back, on that step's still lazy token (mx.async_eval, as mlx-lm's generate_step), so the
+    # host builds the next graph while the device computes. Only where the next step's shape
+    # does not depend on that token: its drafts off (no drafter, or adaptive speculation
+    # chose none) and no prompt-lookup match pending (LookupDrafter.may_chain_after).
+    can_pipeline = (
+        verifier is None
+        and max_kv_size is None
+        and getattr(drafter, "capture", None) is None
+        and not getattr(drafter, "reads_path", False)
+        and (not isinstance(drafter, TreeProposer) or isinstance(drafter, LookupDrafter))
+    )
+    in_flight: _InFlight | None = None  # a plain step queued, rooted at step.next_token
+    decided: bool | None = None  # the policy's choice for the next step, when asked early
+    tic = last_end = time.perf_counter()
     n_fwd = 0
     tokens = list(ids)  # prompt + output; the root (the last emitted token) is last
     while True:
@@ -828,29 +846,53 @@ def stream_generate(
             room - 1 if room is not None else 1 << 30,
             kv.depth_limit(cache_offset(cache.layers)),
         )
-        if pipelined:
-            if in_flight is None:
-                in_flight = _launch_plain(
-                    model, cache, verify, mx.array([step.next_token], dtype=mx.int32), mx.array(tokens), kv
-                )
-            ahead = None
-            if depth >= 1:  # room for two more tokens: queue the step after, on the lazy token
-                history = mx.concatenate([in_flight.history, in_flight.target.astype(mx.int32)])
-                ahead = _launch_plain(model, cache, verify, in_flight.target.astype(mx.int32), history, kv)
+        if in_flight is None:
+            drafts_on = depth >= 1 and (policy is None or policy.use_drafts()) if decided is None else decided
+            decided = None
+            tree, drafts = _propose_step(model, cache, drafter, verify, tokens, step, depth, drafts_on)
+            if not (can_pipeline and tree.size == 1):
+                paused = time.perf_counter()
+                yield response
+                paused = time.perf_counter() - paused
+                step = _decode_step(model, cache, drafter, verify, tokens, step, tree, drafts, kv)
+                end = time.perf_counter()
+                static = drafter.tree.truncate(depth).size if drafts_on else 1
+                if policy is not None and depth >= 1 and step.tree.size == static:  # steps without a chain
+                    # a step's time: from the step before's end, the caller's time left out
+                    policy.observe(static > 1, end - last_end - paused, len(step.path))
+                last_end = end
+                if isinstance(drafter, AcceptanceObserver):  # learns from what was accepted (prompt lookup)
+                    drafter.observe(step.tree, step.node_tokens, step.emitted)
+                n_fwd += 1
+                continue
+            root = mx.array([step.next_token], dtype=mx.int32)
+            in_flight = _launch_plain(
+                model, cache, verify, root, mx.array(tokens, dtype=mx.int32), kv, depth >= 1
+            )
+        # queue the step after the one in flight where its shape is known already
+        ahead = None
+        if depth >= 1:  # room for two more tokens
+            ahead_on = depth >= 2 and (policy is None or policy.use_drafts())
+            no_chain = not isinstance(drafter, LookupDrafter) or not drafter.may_chain_after(tokens)
+            if (not ahead_on or drafter.tree.size == 1) and no_chain:
+                root = in_flight.target.astype(mx.int32)
+                history = mx.concatenate([in_flight.history, root])
+                ahead = _launch_plain(model, cache, verify, root, history, kv, depth >= 2)
+            else:
+                decided = ahead_on
+        paused = time.perf_counter()
+        try:
             yield response
-            step, in_flight = _finish_plain(in_flight, cache, verify), ahead
-            n_fwd += 1
-            continue
-        yield response
-        # the policy decides on the heads' tree; prompt-lookup chains join whenever they match
-        drafts_on = depth >= 1 and (policy is None or policy.use_drafts())
-        step_tic = time.perf_counter()
-        step = _decode_step(model, cache, drafter, verify, tokens, step, depth, drafts_on, kv)
-        static = drafter.tree.truncate(depth).size if drafts_on else 1
-        if policy is not None and depth >= 1 and step.tree.size == static:  # steps without a chain
-            policy.observe(static > 1, time.perf_counter() - step_tic, len(step.path))
-        if isinstance(drafter, AcceptanceObserver):  # learns from what was accepted (prompt lookup)
-            drafter.observe(step.tree, step.node_tokens, step.emitted)
+        except GeneratorExit:  # closed by the caller: drop the queued steps' keys/values
+            trim_cache(cache.layers, len(cache.tokens))
+            raise
+        paused = time.perf_counter() - paused
+        step = _finish_plain(in_flight, cache, verify)
+        end = time.perf_counter()
+        if policy is not None and in_flight.allowed:
+            policy.observe(False, end - last_end - paused, 1)
+        last_end = end
+        in_flight = ahead
         n_fwd += 1
 
 

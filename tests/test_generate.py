@@ -272,3 +272,22 @@ def test_plain_decoding_one_step_ahead_keeps_the_cache_exact(tiny_ref):
     wrong = OracleDrafter(len(ids), ref, chain(K), model.args.vocab_size, wrong=True)
     drafted, _ = ours(model, tok, ids, 40, logits_processors=proc, temp=0.8, seed=5, drafter=wrong)
     assert plain == drafted and len(plain) == 40
+
+
+def test_a_generator_closed_with_steps_queued_leaves_the_cache_exact(tiny_ref):
+    # a caller that stops reading (a server's client gone) closes the generator while plain
+    # steps are queued: their keys/values are dropped, and the cache serves the next turn
+    from mlx_stream.cache import cache_offset
+
+    model, tok, refs = tiny_ref
+    ids, ref = refs[2]
+    cache = PromptCache(model)
+    gen = stream_generate(model, tok, ids, 48, prompt_cache=cache)
+    got = [t for _, r in zip(range(5), gen) for t in r.tokens]
+    gen.close()
+    assert (
+        cache_offset(cache.layers) == len(cache.tokens)
+        and cache.tokens[len(ids) :] == ref[: len(cache.tokens) - len(ids)]
+    )
+    turn2 = ids + got + tok.encode(" more")
+    assert ours(model, tok, turn2, 12, prompt_cache=cache)[0] == ours(model, tok, turn2, 12)[0]

@@ -256,3 +256,31 @@ def test_the_gate_credits_only_tokens_the_chain_adds():
     t, drafts = propose(d, None, ctx, 8)
     d.observe(t, [6] + drafts.tolist(), [7, 8, 9, 4])
     assert d.accept_rate == 1.0
+
+
+def test_may_chain_after_answers_before_the_next_token_is_known(tiny):
+    # the loop queues a plain step on a token still being computed only where no chain can
+    # follow: no repeated suffix yet, or a gate that would skip the chain (counted as a skip)
+    d = LookupDrafter(NoDrafter(), num_draft=3, explore_every=3)
+    assert not d.may_chain_after([4, 5, 6, 7])
+    assert d.may_chain_after([4, 5, 6, 7, 8, 4, 5])  # "4 5" repeats: a chain may follow
+    d.rates["context"] = 0.0  # the gate closed: skipped twice, then the third try goes through
+    assert not d.may_chain_after([4, 5, 6, 7, 8, 4, 5]) and not d.may_chain_after([4, 5, 6, 7, 8, 4, 5])
+    assert d._skipped["context"] == 2 and d.may_chain_after([4, 5, 6, 7, 8, 4, 5])
+    # a suffix that matches ending at the next token extends one that matches here
+    ctx = [1, 2, 3, 9, 1, 2]
+    assert prompt_lookup(ctx + [3], 3) and LookupDrafter(NoDrafter()).may_chain_after(ctx)
+
+
+def test_queued_plain_steps_with_prompt_lookup_keep_the_output(tiny):
+    # prompt lookup alone: every step without a chain is plain, queued on the token still
+    # being computed unless a chain may follow it; the output is plain decoding's
+    model, tok = tiny
+    ids = tok.encode("one two one two one two three")
+    ref = mlx_lm_greedy(model, tok, ids, 64)
+    got, rs = ours(model, tok, ids, 64, drafter=LookupDrafter(NoDrafter(), num_draft=4))
+    assert_greedy_identical(model, ids, got, ref)
+    for s in (1, 2):
+        got, rs = ours(model, tok, ids, 40, temp=1.0, seed=s, drafter=LookupDrafter(NoDrafter(), num_draft=4))
+        assert sum(r.drafted == 0 for r in rs) >= 2 and any(r.drafted for r in rs)  # both kinds
+        assert got == ours(model, tok, ids, 40, temp=1.0, seed=s)[0]

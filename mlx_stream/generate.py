@@ -847,8 +847,10 @@ def stream_generate(
             kv.depth_limit(cache_offset(cache.layers)),
         )
         if in_flight is None:
-            drafts_on = depth >= 1 and (policy is None or policy.use_drafts()) if decided is None else decided
-            decided = None
+            if decided is None:  # the policy decides on the heads' tree; lookup chains join when they match
+                drafts_on = depth >= 1 and (policy is None or policy.use_drafts())
+            else:  # asked already, while the step before was queued
+                drafts_on, decided = depth >= 1 and decided, None
             tree, drafts = _propose_step(model, cache, drafter, verify, tokens, step, depth, drafts_on)
             if not (can_pipeline and tree.size == 1):
                 paused = time.perf_counter()

@@ -135,8 +135,8 @@ def test_ctrl_c_in_a_reply_stops_it_and_the_session_goes_on(tiny):
     calls = {"n": 0}
 
     def interrupt(tokens, logits):  # Ctrl-C in the middle of the first reply's decoding
-        calls["n"] += 1
-        if calls["n"] == 3:
+        calls["n"] += 1  # 1: the first token; 2, 3: two plain steps queued before it is shown
+        if calls["n"] == 4:
             raise KeyboardInterrupt
         return logits
 

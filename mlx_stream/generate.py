@@ -352,20 +352,21 @@ class _TreeVerifier:
             rows.append([(int(ids[i, j]), float(vals[i, j])) for j in order])
         return rows
 
-    def targets(self, tree: Tree, node_tokens: mx.array, logits: mx.array, history: mx.array):
+    def targets(self, tree: Tree, node_tokens: mx.array, logits: mx.array, length: int, history=None):
         """Lazy ``(targets (N,), chosen (N,), top, logprobs (N, V))``: the target's token at
         every node (greedy or the Gumbel-max draw), its log-probability, the top
         log-probabilities (or None) and the processed log-probabilities, for the ``(N,)``
-        node tokens and their ``(N, V)`` logits after ``history`` (``(L,)`` int32, up to
-        and including the root; it may be lazy). No host sync."""
+        node tokens and their ``(N, V)`` logits after ``length`` tokens (up to and including
+        the root). ``history``: those tokens, ``(length,)`` int32 (it may be lazy), needed
+        only with logits processors. No host sync."""
         if self.processors:
             paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
             logits = process_logits(self.processors, history[self.skip :], node_tokens, paths, logits)
         logprobs = log_softmax(logits)  # (N, V)
         if self.sampling.greedy:
             scores = logits
-        else:  # the token after a node of depth d lands at position len(history) + d
-            g = self.noise.rows(history.size, tree.depth + 1)[mx.array(tree.depths, dtype=mx.int32)]
+        else:  # the token after a node of depth d lands at position length + d
+            g = self.noise.rows(length, tree.depth + 1)[mx.array(tree.depths, dtype=mx.int32)]
             scores = self.sampling.mask(logprobs) * (1.0 / self.sampling.temp) + g
         targets = mx.argmax(scores, axis=-1)
         chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
@@ -378,9 +379,8 @@ class _TreeVerifier:
         emitted token, the ``top_logprobs`` most likely ``(token id, log-probability)``
         pairs at its position, most likely first."""
         if self.verifier is None or self.sampling.greedy:
-            targets, chosen, top, _ = self.targets(
-                tree, node_tokens, logits, mx.array(history, dtype=mx.int32)
-            )
+            hist = mx.array(history, dtype=mx.int32) if self.processors else None
+            targets, chosen, top, _ = self.targets(tree, node_tokens, logits, len(history), hist)
             mx.eval(node_tokens, targets, chosen, top)
             toks = node_tokens.tolist()
             path, nxt = verify_greedy(tree, toks, targets.tolist())
@@ -560,7 +560,8 @@ class _InFlight:
     """A plain step queued on the device (``mx.async_eval``) and not yet read back."""
 
     root: mx.array  # (1,) int32, possibly still being computed by the step before
-    history: mx.array  # (L,) int32, the tokens up to and including the root
+    length: int  # tokens up to and including the root
+    history: mx.array | None  # (length,) int32 those tokens, only for logits processors
     target: mx.array  # (1,) int32: the target's token after the root
     chosen: mx.array  # (1,) its log-probability
     top: tuple[mx.array, mx.array] | None
@@ -586,7 +587,7 @@ def _propose_step(model, cache, drafter, verify, tokens, last: _Step, depth: int
 
 
 def _launch_plain(
-    model, cache: PromptCache, verify: _TreeVerifier, root: mx.array, history: mx.array, kv, allowed: bool
+    model, cache: PromptCache, verify: _TreeVerifier, root: mx.array, length: int, history, kv, allowed: bool
 ):
     # one plain forward over a root that may still be lazy (the step before's target):
     # the graph is built and queued while the device works on the step before, as
@@ -595,10 +596,10 @@ def _launch_plain(
     positions = mx.array(cache_offset(cache.layers) + tree.depths, dtype=mx.int32)
     mask = attention_mask(cache.layers, tree.depths, tree.mask)
     h, _ = fam.tree_hidden(backbone, root, positions, mask, cache.layers)
-    target, chosen, top, _ = verify.targets(tree, root, fam.project(backbone, h), history)
+    target, chosen, top, _ = verify.targets(tree, root, fam.project(backbone, h), length, history)
     quantize_cache(cache.layers, kv.bits, kv.group_size, kv.start)
     mx.async_eval(target, chosen, top, h, [c.state for c in cache.layers])
-    return _InFlight(root, history, target, chosen, top, h, allowed)
+    return _InFlight(root, length, history, target, chosen, top, h, allowed)
 
 
 def _finish_plain(step: _InFlight, cache: PromptCache, verify: _TreeVerifier) -> _Step:
@@ -868,9 +869,8 @@ def stream_generate(
                 n_fwd += 1
                 continue
             root = mx.array([step.next_token], dtype=mx.int32)
-            in_flight = _launch_plain(
-                model, cache, verify, root, mx.array(tokens, dtype=mx.int32), kv, depth >= 1
-            )
+            hist = mx.array(tokens, dtype=mx.int32) if verify.processors else None
+            in_flight = _launch_plain(model, cache, verify, root, len(tokens), hist, kv, depth >= 1)
         # queue the step after the one in flight where its shape is known already
         ahead = None
         if depth >= 1:  # room for two more tokens
@@ -878,8 +878,8 @@ def stream_generate(
             no_chain = not isinstance(drafter, LookupDrafter) or not drafter.may_chain_after(tokens)
             if (not ahead_on or drafter.tree.size == 1) and no_chain:
                 root = in_flight.target.astype(mx.int32)
-                history = mx.concatenate([in_flight.history, root])
-                ahead = _launch_plain(model, cache, verify, root, history, kv, depth >= 2)
+                hist = None if in_flight.history is None else mx.concatenate([in_flight.history, root])
+                ahead = _launch_plain(model, cache, verify, root, in_flight.length + 1, hist, kv, depth >= 2)
             else:
                 decided = ahead_on
         paused = time.perf_counter()

@@ -352,6 +352,13 @@ class _TreeVerifier:
             rows.append([(int(ids[i, j]), float(vals[i, j])) for j in order])
         return rows
 
+    def _processed(self, tree: Tree, node_tokens: mx.array, logits: mx.array, history) -> mx.array:
+        # (N, V) logits after the logits processors (each node on its own history)
+        if not self.processors:
+            return logits
+        paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
+        return process_logits(self.processors, history[self.skip :], node_tokens, paths, logits)
+
     def targets(self, tree: Tree, node_tokens: mx.array, logits: mx.array, length: int, history=None):
         """Lazy ``(targets (N,), chosen (N,), top, logprobs (N, V))``: the target's token at
         every node (greedy or the Gumbel-max draw), its log-probability, the top
@@ -359,9 +366,7 @@ class _TreeVerifier:
         node tokens and their ``(N, V)`` logits after ``length`` tokens (up to and including
         the root). ``history``: those tokens, ``(length,)`` int32 (it may be lazy), needed
         only with logits processors. No host sync."""
-        if self.processors:
-            paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
-            logits = process_logits(self.processors, history[self.skip :], node_tokens, paths, logits)
+        logits = self._processed(tree, node_tokens, logits, history)
         logprobs = log_softmax(logits)  # (N, V)
         if self.sampling.greedy:
             scores = logits
@@ -386,11 +391,7 @@ class _TreeVerifier:
             path, nxt = verify_greedy(tree, toks, targets.tolist())
             chosen = chosen.tolist()
             return path, nxt, toks, [chosen[i] for i in path], self._top_rows(top, path)
-        if self.processors:
-            paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
-            logits = process_logits(
-                self.processors, mx.array(history[self.skip :], dtype=mx.int32), node_tokens, paths, logits
-            )
+        logits = self._processed(tree, node_tokens, logits, mx.array(history, dtype=mx.int32))
         logprobs = log_softmax(logits)  # (N, V)
         top = self._top(logprobs)
         probs = self.sampling.distribution(logprobs)

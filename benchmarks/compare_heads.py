@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import time
 from pathlib import Path
 
@@ -27,14 +28,14 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_stream.cost import draft_times
-from mlx_stream.heads import new_heads, save_heads
+from mlx_stream.heads import load_heads, new_heads, save_heads
 from mlx_stream.loader import load
 from mlx_stream.prompts import read_jsonl
 from mlx_stream.train.eagle import EagleSequence, evaluate_eagle, train_eagle
 from mlx_stream.train.features import FeatureCache, targets_for
 from mlx_stream.train.pipeline import choose_draft_vocab
-from mlx_stream.train.streams import sequence_features, stream_ranks, train_stream_heads
-from mlx_stream.train.trainer import TrainConfig, head_ranks, train_heads
+from mlx_stream.train.streams import StreamSequence, sequence_features, stream_ranks, train_stream_heads
+from mlx_stream.train.trainer import TrainConfig, head_ranks, train_heads, tune_tree
 from mlx_stream.tree import format_tree, tree_from_ranks
 
 
@@ -42,6 +43,20 @@ def position_cache(seqs, finals, num_heads):
     hs = [f[max(s.start - 1, 0) : len(s.ids) - 1] for s, f in zip(seqs, finals)]
     ts = [targets_for(s.ids, s.start, num_heads) for s in seqs]
     return FeatureCache(np.concatenate(hs), np.concatenate(ts), {})
+
+
+def advance(model, seqs, layer, n):
+    """The sequences with ``mid`` moved from the input of ``layer`` to that of ``layer + n``
+    (the frozen layers in between, causal)."""
+    if n == 0:
+        return seqs
+    out = []
+    for s in seqs:
+        h = mx.array(s.mid.astype(np.float32))[None]
+        for blk in model.backbone.model.layers[layer : layer + n]:
+            h = blk(h, "causal", None)
+        out.append(StreamSequence(s.ids, s.start, np.array(h[0].astype(mx.float16))))
+    return out
 
 
 def main():
@@ -59,10 +74,24 @@ def main():
     ap.add_argument(
         "--archs",
         default="residual,hydra,msa",
-        help="any of residual, hydra, msa, eagle (draft layer copied from the top layer), eagle-random",
+        help="any of residual, hydra, msa, eagle (draft layer copied from the top layer), eagle-random, "
+        "streamsN (trainable stream layers: the streams run through trainable copies of the top N layers)",
     )
+    ap.add_argument("--stream-lr", type=float, default=1e-3, help="msa / streamsN learning rate")
+    ap.add_argument("--stream-tokens", type=int, default=512, help="msa / streamsN padded tokens per step")
     ap.add_argument("--eagle-lr", type=float, default=5e-4)
     ap.add_argument("--eagle-steps", type=int, default=3, help="eagle: unroll steps (training-time test)")
+    ap.add_argument("--eagle-tokens", type=int, default=4096, help="eagle: padded tokens per optimizer step")
+    ap.add_argument("--eagle-warmup", type=int, default=50, help="eagle: warm-up steps")
+    ap.add_argument("--eagle-reg", type=float, default=1.0, help="eagle: weight of the feature regression")
+    ap.add_argument(
+        "--features-cache",
+        default="",
+        help="a file keeping the sequence features between runs (same run, counts and model)",
+    )
+    ap.add_argument(
+        "--reuse", action="store_true", help="with --save: evaluate heads saved there before, not train"
+    )
     ap.add_argument("--out", default="compare_heads.json")
     ap.add_argument(
         "--save",
@@ -72,15 +101,28 @@ def main():
     a = ap.parse_args()
 
     model, tok = load(a.model, heads=None, dtype="float32")
-    K, layer = a.num_heads, len(model.backbone.layers) - a.stream_layers
+    archs = a.archs.split(",")
+    depth = {arch: int(arch[7:]) if arch.startswith("streams") else a.stream_layers for arch in archs}
+    K, layer = a.num_heads, len(model.backbone.layers) - max(depth.values())
     run = Path(a.run)
     tic = time.perf_counter()
-    tr_seqs, tr_fin = sequence_features(
-        model, tok, read_jsonl(run / "data" / "train.jsonl")[: a.sequences], layer
-    )
-    va_seqs, va_fin = sequence_features(
-        model, tok, read_jsonl(run / "data" / "valid.jsonl")[: a.valid_sequences], layer
-    )
+    key = (str(run.resolve()), a.sequences, a.valid_sequences, layer, a.model)
+    cached = Path(a.features_cache) if a.features_cache else None
+    if cached and cached.is_file() and pickle.loads(cached.read_bytes())["key"] == key:
+        got = pickle.loads(cached.read_bytes())
+        tr_seqs, tr_fin, va_seqs, va_fin = got["tr"], got["tr_fin"], got["va"], got["va_fin"]
+    else:
+        tr_seqs, tr_fin = sequence_features(
+            model, tok, read_jsonl(run / "data" / "train.jsonl")[: a.sequences], layer
+        )
+        va_seqs, va_fin = sequence_features(
+            model, tok, read_jsonl(run / "data" / "valid.jsonl")[: a.valid_sequences], layer
+        )
+        if cached:
+            blob = {"key": key, "tr": tr_seqs, "tr_fin": tr_fin, "va": va_seqs, "va_fin": va_fin}
+            tmp = cached.with_suffix(".tmp")
+            tmp.write_bytes(pickle.dumps(blob))
+            tmp.replace(cached)
     tr, va = position_cache(tr_seqs, tr_fin, K), position_cache(va_seqs, va_fin, K)
     print(
         f"features: {len(tr)} training / {len(va)} held-out positions in {time.perf_counter() - tic:.0f}s",
@@ -92,30 +134,59 @@ def main():
     results = {}
     eagle_tr = [EagleSequence(s.ids, max(s.start, 1), f[:-1]) for s, f in zip(tr_seqs, tr_fin)]
     eagle_va = [EagleSequence(s.ids, max(s.start, 1), f[:-1]) for s, f in zip(va_seqs, va_fin)]
-    for arch in a.archs.split(","):
+    for arch in archs:
         heads = new_heads(
             model.backbone,
             tok,
             K,
             draft_ids=ids,
-            architecture=arch.split("-")[0],
-            stream_layers=a.stream_layers,
+            architecture="msa" if arch.startswith("streams") else arch.split("-")[0],
+            stream_layers=depth[arch],
             copy_top_layer=arch != "eagle-random",
+            stream_copies=arch.startswith("streams"),
         )
+        reuse = a.reuse and a.save and (Path(a.save) / arch / "config.json").is_file()
+        if reuse:  # evaluate the heads saved by an earlier run instead of training again
+            heads = load_heads(Path(a.save) / arch)
         model.heads = heads
         tic = time.perf_counter()
         top = None
-        if arch.startswith("eagle"):
+        if reuse:
+            old = json.loads(Path(a.out).read_text())["results"][arch] if Path(a.out).is_file() else {}
+            rep = {"positions_per_s": old.get("positions_per_s", float("nan"))}
+            speed = rep["positions_per_s"]
+            if arch.startswith("eagle"):
+                top = evaluate_eagle(model, heads, eagle_va, K)
+                ranks = top[2]
+            elif arch == "msa" or arch.startswith("streams"):
+                skip = max(depth.values()) - depth[arch]
+                ranks = stream_ranks(model, heads, advance(model, va_seqs, layer, skip))
+            else:
+                ranks = head_ranks(model, heads, va)
+        elif arch.startswith("eagle"):
             rep = train_eagle(
-                model, heads, eagle_tr, epochs=a.epochs, lr=a.eagle_lr, steps=a.eagle_steps, log=print
+                model,
+                heads,
+                eagle_tr,
+                epochs=a.epochs,
+                lr=a.eagle_lr,
+                steps=a.eagle_steps,
+                tokens=a.eagle_tokens,
+                warmup=a.eagle_warmup,
+                reg_weight=a.eagle_reg,
+                log=print,
             )
             speed = rep["positions_per_s"]
             top = evaluate_eagle(model, heads, eagle_va, K)
             ranks = top[2]
-        elif arch == "msa":
-            rep = train_stream_heads(model, heads, tr_seqs, epochs=a.epochs)
+        elif arch == "msa" or arch.startswith("streams"):
+            skip = max(depth.values()) - depth[arch]  # frozen layers between the captured input and this N_s
+            tr_s, va_s = advance(model, tr_seqs, layer, skip), advance(model, va_seqs, layer, skip)
+            rep = train_stream_heads(
+                model, heads, tr_s, epochs=a.epochs, lr=a.stream_lr, tokens=a.stream_tokens
+            )
             speed = rep["positions_per_s"]
-            ranks = stream_ranks(model, heads, va_seqs)
+            ranks = stream_ranks(model, heads, va_s)
         else:
             cfg = TrainConfig(num_heads=K, epochs=a.epochs, checkpoint_every=0)
             rep = train_heads(model, heads, tr, Path(a.out).with_suffix("") / arch, cfg, progress=False)
@@ -141,9 +212,16 @@ def main():
             "tau_15": tree_from_ranks(ranks, 15)[1],
             "draft_ms": draft_times(model, [tree5])[0],
         }
+        # this CPU's best tree: held-out tau / measured cost of drafting and verifying it
+        tuned = tune_tree(model, heads, va, max_nodes=8, ranks=ranks)  # sets config.tree, tree_taus
+        best = tuned["sizes"][tuned["best"]]
+        results[arch] |= {
+            "cpu_tree": best["tree"],
+            "cpu_tau": best["tau"],
+            "cpu_bound": best["speedup_bound"],
+        }
         print(json.dumps({arch: results[arch]}), flush=True)
         if a.save:
-            heads.config.tree = format_tree(tree5)
             heads.config.trained_positions = len(tr)
             save_heads(heads, Path(a.save) / arch, dtype=mx.float16)
     Path(a.out).write_text(
@@ -154,14 +232,15 @@ def main():
     )
     print(
         "\n| heads | params | train pos/s | top-1 (heads 1..K) | top-5 | tau chain | tau 5-node "
-        "| tau 15-node | draft ms |"
+        "| tau 15-node | draft ms | this CPU's best tree: tau, tau / cost |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for arch, r in results.items():
         print(
             f"| {arch} | {r['params'] / 1e6:.2f}M | {r['positions_per_s']:.0f} | "
             f"{' / '.join(f'{x:.2f}' for x in r['top1'])} | {' / '.join(f'{x:.2f}' for x in r['top5'])} | "
-            f"{r['tau_chain']:.2f} | {r['tau_5']:.2f} | {r['tau_15']:.2f} | {r['draft_ms']:.1f} |"
+            f"{r['tau_chain']:.2f} | {r['tau_5']:.2f} | {r['tau_15']:.2f} | {r['draft_ms']:.1f} | "
+            f"`{r['cpu_tree']}`: {r['cpu_tau']:.2f}, {r['cpu_bound']:.2f} |"
         )
 
 

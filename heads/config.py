@@ -30,7 +30,11 @@ class HeadConfig:
         stream_layers: "msa" only: N_s, the backbone's top layers the streams run
             through (their inputs are the hidden state entering layer L - N_s).
         adapter_size: "msa" only: the bottleneck width of the stream-only adapter
-            applied before each of those layers.
+            applied before each of those layers (unused with ``stream_copies``).
+        stream_copies: "msa" only: the streams run through trainable copies of the
+            top N_s layers (initialised from the backbone's; ``layer_spec`` rebuilds
+            them) instead of the frozen originals with adapters. The main stream still
+            runs the frozen originals, so the verified tokens stay the backbone's.
         tree: the draft tree these heads decode with when none is asked for, as rank
             paths (``"0;1;0,0"``, see :func:`mlx_stream.tree.parse_tree`); empty means
             the default sparse tree.
@@ -38,8 +42,9 @@ class HeadConfig:
             (``{"0;1;0,0": 1.69, ...}``, written by training); ``tree="auto"`` picks the
             one with the best tau / cost on the device at hand
             (:func:`mlx_stream.autotree.auto_tree`).
-        layer_spec: "eagle" only: what rebuilds the draft layer, a decoder layer like
-            the backbone's (``{"model_type", "args"}``, :func:`mlx_stream.heads.eagle.layer_spec`);
+        layer_spec: "eagle" (and "msa" with ``stream_copies``): what rebuilds the draft
+            layer (the stream layers), a decoder layer like the backbone's
+            (``{"model_type", "args"}``, :func:`mlx_stream.heads.eagle.layer_spec`);
             ``num_heads`` is then the deepest draft.
         trained_positions: training positions the heads have seen, summed over every
             run that trained them (an epoch counts each position once more);
@@ -59,6 +64,7 @@ class HeadConfig:
     tree_taus: dict = field(default_factory=dict)
     trained_positions: int = 0
     layer_spec: dict = field(default_factory=dict)
+    stream_copies: bool = False
 
     def __post_init__(self):
         if self.num_layers < 1:
@@ -72,6 +78,11 @@ class HeadConfig:
             )
         if self.architecture == "eagle" and not self.layer_spec:
             raise ValueError("eagle heads need layer_spec (the draft layer's model_type and args)")
+        if self.stream_copies and (self.architecture != "msa" or not self.layer_spec):
+            raise ValueError(
+                "stream_copies applies to msa heads and needs layer_spec "
+                "(the copied layers' model_type and args)"
+            )
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in 0..{self.vocab_size}, got {self.draft_vocab_size}")
         if self.architecture not in ARCHITECTURES:

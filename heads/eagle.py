@@ -7,8 +7,10 @@ attends causally over the entries of the context (its own small KV cache) and
 predicts the feature at i+1, ``f^_{i+1} = norm(layer(z)_i)``, whose projection through
 the backbone's frozen output layer gives logits for x_{i+2}. Drafting is
 autoregressive: the next entry reads ``(f^_{i+1}, e(x^_{i+2}))``. The layer starts
-as a copy of the backbone's top layer (the backbone keeps its own, frozen) and the
-norm as a copy of its final norm.
+as a copy of the backbone's top layer (the backbone keeps its own, frozen) whose
+attention and MLP output projections start at zero, with ``W = [I 0]``: a fresh layer
+passes f_i through and predicts what the backbone predicted (the zero-initialised
+residual branches of ReZero / Fixup, as hydra heads start; ``mlx_stream.heads.new_heads``).
 """
 
 from __future__ import annotations

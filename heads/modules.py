@@ -91,6 +91,10 @@ class StreamHeads(nn.Module):
       streams, so decoding stays lossless. Then the final norm, ``num_layers``
       residual blocks per stream, and the frozen output projection. The family
       module's ``stream_hidden`` runs it (the heads hold only their own weights).
+      With ``config.stream_copies`` ("trainable stream layers") the streams run
+      through the heads' own trainable copies of those N_s layers, started from the
+      backbone's weights, without adapters; they still attend to the main stream's
+      keys/values, which the frozen originals computed.
     """
 
     def __init__(self, config: HeadConfig):
@@ -101,7 +105,12 @@ class StreamHeads(nn.Module):
             self.streams = mx.zeros((config.num_heads, H))
             self.root = nn.Linear(H, H, bias=False)  # the root token's embedding into every stream
             self.root.weight = mx.zeros_like(self.root.weight)
-            self.adapters = [Adapter(H, config.adapter_size) for _ in range(config.stream_layers)]
+            if config.stream_copies:
+                from .eagle import build_layer
+
+                self.layers = [build_layer(config.layer_spec) for _ in range(config.stream_layers)]
+            else:
+                self.adapters = [Adapter(H, config.adapter_size) for _ in range(config.stream_layers)]
         if config.architecture == "eagle":
             from .eagle import EagleDraft
 

@@ -48,8 +48,8 @@ _TREE = typer.Option(
     None,
     "--tree",
     help=f"Draft tree: '{AUTO_TREE}' (the heads' candidate that is fastest on this device, measured once), "
-    "'sparse', 'chain', 'chain:K', 'none', or rank paths like '0;1;0,0;0,0,0'. Default: the tree stored "
-    "with the heads.",
+    "'sparse', 'chain', 'chain:K', 'none', rank paths like '0;1;0,0;0,0,0', or (eagle heads) "
+    "'dynamic:N[,W]', EAGLE-2's dynamic tree of at most N nodes. Default: the tree stored with the heads.",
 )
 _LOOKUP = typer.Option(
     None,

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
+import numpy as np
 
-from .tree import Tree, no_drafts, parse_tree
+from .tree import Tree, build_tree, chain, no_drafts, parse_tree
 
 
 class Drafter(Protocol):
@@ -263,6 +264,28 @@ class EagleDrafter:
         self._committed = 0  # entries of verified positions in the cache
         self._next = None  # the position the next verified entry is for
 
+    def _commit(self, hidden, tokens):
+        # drop the last call's speculative entries, append those of the positions verified
+        # since; returns their outputs (P, H) and the root's position r
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        P, r = hidden.shape[0], len(tokens) - 1
+        if self._next != r - P:  # first call, or a gap: start over from these positions
+            self._committed = 0
+        if self.cache.offset > self._committed:
+            self.cache.trim(self.cache.offset - self._committed)
+        self._next = r
+        new = mx.array(tokens[r - P + 1 : r + 1], dtype=mx.int32)  # x_{i+1} of each new entry
+        pos = mx.arange(r - P, r, dtype=mx.int32)
+        mask = None
+        if P > 1:
+            mask = mx.concatenate(
+                [mx.ones((P, self._committed), dtype=mx.bool_), mx.tril(mx.ones((P, P), dtype=mx.bool_))],
+                axis=1,
+            )
+        out = self.model.heads.eagle(hidden, self.model.embed(new), pos, mask, self.cache)
+        self._committed += P
+        return out, r
+
     @staticmethod
     def _plan_masks(tree: Tree) -> list:
         # per depth d >= 2: the bool mask of its parents' new entries over the speculative
@@ -291,23 +314,7 @@ class EagleDrafter:
         whose positions do not follow the last one's starts a fresh cache. ``noise``:
         as for :class:`HeadsDrafter` (sampling)."""
         draft = self.model.heads.eagle
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        P, r = hidden.shape[0], len(tokens) - 1
-        if self._next != r - P:  # first call, or a gap: start over from these positions
-            self._committed = 0
-        if self.cache.offset > self._committed:
-            self.cache.trim(self.cache.offset - self._committed)
-        self._next = r
-        new = mx.array(tokens[r - P + 1 : r + 1], dtype=mx.int32)  # x_{i+1} of each new entry
-        pos = mx.arange(r - P, r, dtype=mx.int32)
-        mask = None
-        if P > 1:
-            mask = mx.concatenate(
-                [mx.ones((P, self._committed), dtype=mx.bool_), mx.tril(mx.ones((P, P), dtype=mx.bool_))],
-                axis=1,
-            )
-        out = draft(hidden, self.model.embed(new), pos, mask, self.cache)
-        self._committed += P
+        out, r = self._commit(hidden, tokens)
         depth = self.tree.depth if max_depth is None else min(max_depth, self.tree.depth)
         if depth < 1:
             return mx.zeros((0,), dtype=mx.int32)
@@ -332,6 +339,150 @@ class EagleDrafter:
             feats = scored[crow]
             outs.append(toks)
         return mx.concatenate(outs)
+
+
+def select_dynamic_tree(
+    values: np.ndarray, parents: np.ndarray, ranks: np.ndarray, budget: int
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    """EAGLE-2's reranking (Li et al. 2024b, sec. 4.2): the ``budget - 1`` drafted
+    candidates with the highest cumulative draft log-probability, as a tree.
+
+    Args:
+        values: ``(C,)`` float, each candidate's cumulative log-probability (its own
+            draft log-probability plus its parent's value).
+        parents: ``(C,)`` int, the parent candidate's index (-1: the root); a parent
+            precedes its children.
+        ranks: ``(C,)`` int, the candidate's rank among its parent's children.
+        budget: the most nodes of the tree, root included (>= 1).
+
+    Returns:
+        ``(paths, picked)``: the chosen candidates' rank paths (for
+        :func:`~mlx_stream.tree.build_tree`) and their candidate indices, in the same
+        order. A candidate is chosen only with its parent (a child's value never
+        exceeds its parent's; ties go to the shallower node), so the result is a tree.
+    """
+    depth = np.zeros(len(values), np.int32)
+    for c, p in enumerate(parents):
+        depth[c] = 1 if p < 0 else depth[p] + 1
+    order = np.lexsort((depth, -np.asarray(values, np.float64)))  # value desc, then shallower
+    path: dict[int, tuple[int, ...]] = {}
+    picked = []
+    for c in order:
+        if len(picked) >= budget - 1:
+            break
+        p = int(parents[c])
+        if p >= 0 and p not in path:
+            continue  # its parent did not make the cut
+        path[int(c)] = (path[p] if p >= 0 else ()) + (int(ranks[c]),)
+        picked.append(int(c))
+    return [path[c] for c in picked], picked
+
+
+class DynamicTreeDrafter(EagleDrafter):
+    """EAGLE-2's budgeted dynamic draft tree (Li et al. 2024b, sec. 4) for eagle heads.
+
+    The tree's shape follows the draft layer's own confidence, step by step.
+    **Expansion**: depth 1 holds the root's ``width`` most likely children; at each
+    deeper level the ``width`` candidates of the level above with the highest
+    cumulative draft log-probability (their value) are run through the draft layer
+    (one batched call, each entry attending to the committed context, its ancestors'
+    entries and itself) and each proposes its ``width`` most likely children.
+    **Reranking**: the ``budget - 1`` candidates of highest value become the tree
+    (:func:`select_dynamic_tree`). Expansion stays on the device; the reranking reads
+    the candidates back (one host sync per drafted step, which static trees avoid).
+    Verification is unchanged, so output stays lossless.
+
+    Args:
+        model: a model whose heads are ``"eagle"``.
+        budget: the most nodes per tree, root included (>= 2); pick it from this
+            device's measured cost of an N-node forward (``mlx-stream bench``).
+        width: children per expanded node and nodes expanded per level (>= 1).
+        depth: the deepest level (default: the heads' ``num_heads``).
+
+    Raises:
+        ValueError: heads that are not ``"eagle"``, or a budget, width or depth out of range.
+    """
+
+    reads_path = True
+
+    def __init__(self, model, budget: int, width: int = 4, depth: int | None = None):
+        if model.heads is None or not model.heads.autoregressive:
+            raise ValueError("a dynamic draft tree needs eagle heads (an EAGLE-style draft layer)")
+        depth = model.heads.num_heads if depth is None else depth
+        if budget < 2 or width < 1 or not 1 <= depth <= model.heads.num_heads:
+            raise ValueError(
+                f"dynamic tree: budget must be >= 2, width >= 1 and depth in 1..{model.heads.num_heads}, "
+                f"got {budget}, {width}, {depth}"
+            )
+        super().__init__(model, chain(depth))
+        self.budget, self.width, self.depth = budget, width, depth
+        self._trees: dict[tuple, Tree] = {}
+        self.values = mx.zeros((0,))  # the last tree's (N - 1,) cumulative draft log-probabilities
+
+    def propose(
+        self, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True, noise=None
+    ) -> tuple[Tree, mx.array]:
+        """This step's tree (at most ``max_depth`` deep; ``base=False``: root only, the
+        verified positions still recorded) and its ``(N - 1,)`` int32 drafts, node order."""
+        out, r = self._commit(hidden, tokens)
+        depth = min(self.depth, max_depth) if base else 0
+        if depth < 1:
+            return no_drafts(), mx.zeros((0,), dtype=mx.int32)
+        draft, k = self.model.heads.eagle, self.width
+        toks, vals, pars, rks = [], [], [], []
+        # depth 1: the root's children, scored by the last committed entry's output
+        lp = self._log_probs(out[-1:], 1, noise)[0]
+        top = _topk(lp, k)
+        toks.append(top)
+        vals.append(lp[top])
+        pars.append(mx.full((k,), -1, dtype=mx.int32))
+        rks.append(mx.arange(k, dtype=mx.int32))
+        level_feat = mx.broadcast_to(out[-1:], (k, out.shape[-1]))  # what drafted each candidate
+        level_entry = mx.full((k,), -1, dtype=mx.int32)  # the speculative entry that scored it
+        level0, anc = 0, mx.zeros((0, 0), dtype=mx.bool_)  # first candidate index of the level
+        for d in range(2, depth + 1):
+            sel = _topk(vals[-1], min(k, vals[-1].shape[0]))  # the level's best, expanded
+            n, E = sel.shape[0], anc.shape[0]
+            # each new entry sees its parent's entry, that entry's ancestors, and itself
+            with_self = mx.concatenate([mx.zeros((1, E), dtype=mx.bool_), anc | mx.eye(E, dtype=mx.bool_)])
+            rows = with_self[level_entry[sel] + 1]  # (n, E)
+            spec = mx.concatenate([rows, mx.eye(n, dtype=mx.bool_)], axis=1)
+            anc = mx.concatenate(
+                [mx.pad(anc, [(0, 0), (0, n)]), mx.concatenate([rows, mx.zeros((n, n), mx.bool_)], 1)]
+            )
+            m = mx.concatenate([mx.ones((n, self._committed), dtype=mx.bool_), spec], axis=1)
+            pos = mx.full((n,), r + d - 2, dtype=mx.int32)
+            g = draft(level_feat[sel], self.model.embed(toks[-1][sel]), pos, m, self.cache)  # (n, H)
+            lp = self._log_probs(g, d, noise)  # (n, V')
+            top = _topk(lp, k)  # (n, k)
+            toks.append(top.reshape(-1))
+            vals.append((vals[-1][sel][:, None] + mx.take_along_axis(lp, top, axis=-1)).reshape(-1))
+            pars.append(mx.repeat(level0 + sel.astype(mx.int32), k))
+            rks.append(mx.tile(mx.arange(k, dtype=mx.int32), n))
+            level0 += vals[-2].shape[0]
+            level_feat = mx.repeat(g, k, axis=0)
+            level_entry = mx.repeat(E + mx.arange(n, dtype=mx.int32), k)
+        toks, vals, pars, rks = (mx.concatenate(a) for a in (toks, vals, pars, rks))
+        if self._ids is not None:
+            toks = self._ids[toks]
+        mx.eval(toks, vals, pars, rks)
+        paths, picked = select_dynamic_tree(np.array(vals), np.array(pars), np.array(rks), self.budget)
+        key = tuple(paths)
+        tree = self._trees.get(key)
+        if tree is None:
+            if len(self._trees) >= 4096:
+                self._trees.clear()
+            tree = self._trees[key] = build_tree(paths)
+        where = {p: c for p, c in zip(paths, picked)}
+        order = mx.array([where[c] for c in tree.choices], dtype=mx.int32)
+        self.values = vals[order]  # the nodes' cumulative draft log-probabilities, node order
+        return tree, toks[order].astype(mx.int32)
+
+    def _log_probs(self, feats, d, noise):
+        logits = self.model.project(feats, self._rows)
+        if noise is not None:
+            logits = noise.perturb(logits, d, self._ids)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 class OracleDrafter:
@@ -520,6 +671,8 @@ class LookupDrafter:
             return tree, drafts
         key = (tree, len(chain_))
         if key not in self._trees:
+            if len(self._trees) >= 4096:  # a dynamic base tree changes shape step by step
+                self._trees.clear()
             merged, take = append_chain(tree, len(chain_))
             grafted = {i for i, j in enumerate(take.tolist(), start=1) if j >= tree.size - 1}
             self._trees[key] = merged, mx.array(take), grafted

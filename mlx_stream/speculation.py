@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .defaults import AUTO_TREE, PROMPT_LOOKUP
-from .drafters import Drafter, EagleDrafter, HeadsDrafter, LookupDrafter, NoDrafter
+from .drafters import Drafter, DynamicTreeDrafter, EagleDrafter, HeadsDrafter, LookupDrafter, NoDrafter
 from .tree import Tree, no_drafts, parse_tree
 
 TreeSpec = str | Sequence[Sequence[int]] | Tree | None
@@ -18,14 +18,40 @@ def is_auto(spec: TreeSpec) -> bool:
     return isinstance(spec, str) and spec.strip() == AUTO_TREE
 
 
+def dynamic_spec(spec: TreeSpec) -> tuple[int, int] | None:
+    """``(budget, width)`` of a dynamic-tree spec (``"dynamic:N"`` or ``"dynamic:N,W"``:
+    EAGLE-2's budgeted dynamic tree of at most N nodes, W children per expanded node,
+    default 4; eagle heads only), or ``None`` for any other spec.
+
+    Raises:
+        ValueError: a malformed dynamic spec.
+    """
+    if not isinstance(spec, str) or not spec.strip().startswith("dynamic"):
+        return None
+    body = spec.strip()[len("dynamic") :]
+    try:
+        if not body.startswith(":"):
+            raise ValueError
+        nums = [int(x) for x in body[1:].split(",")]
+        if len(nums) not in (1, 2) or nums[0] < 2 or (len(nums) == 2 and nums[1] < 1):
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"bad dynamic tree spec {spec!r}: use dynamic:N (N >= 2 nodes, root included) or "
+            "dynamic:N,W (W >= 1 children per expanded node)"
+        ) from None
+    return nums[0], nums[1] if len(nums) == 2 else 4
+
+
 def check_tree_spec(spec: TreeSpec) -> None:
     """Check a tree spec's syntax before any model is loaded (its depth is checked
     against the heads by :func:`resolve_tree`).
 
     Raises:
-        ValueError: a malformed spec (see :func:`~mlx_stream.tree.parse_tree`).
+        ValueError: a malformed spec (see :func:`~mlx_stream.tree.parse_tree` and
+            :func:`dynamic_spec`).
     """
-    if spec is not None and not is_auto(spec):
+    if spec is not None and not is_auto(spec) and dynamic_spec(spec) is None:
         parse_tree(spec, 1 << 10)
 
 
@@ -48,14 +74,23 @@ def resolve_tree(model, spec: TreeSpec = None) -> Tree:
             measured once, then cached); a preset (``"sparse"``, ``"chain"``,
             ``"chain:K"``, ``"none"``), rank paths such as ``"0;1;0,0"``, a list of paths
             or a :class:`~mlx_stream.tree.Tree` (:func:`~mlx_stream.tree.parse_tree`).
+            Dynamic trees (``"dynamic:N"``, :func:`dynamic_spec`) have no static shape
+            and are refused here; :func:`make_drafter` builds them.
             Without heads, ``None`` is the root-only tree and other specs are not
             limited in depth (a custom drafter fills them).
 
     Raises:
-        ValueError: a malformed spec, a tree deeper than the loaded heads, or ``"auto"``
-            without heads that carry candidate trees.
+        ValueError: a malformed spec, a tree deeper than the loaded heads, ``"auto"``
+            without heads that carry candidate trees, or a dynamic tree.
     """
     heads = model.heads
+    if spec is None and heads is not None and heads.config.tree:
+        spec = heads.config.tree
+    if dynamic_spec(spec) is not None:
+        raise ValueError(
+            f"{spec!r} is a dynamic tree (its shape changes every step): use it with make_drafter or "
+            "stream_generate, not as a static tree"
+        )
     if is_auto(spec):
         from .autotree import auto_tree
 
@@ -73,7 +108,9 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None,
 
     Args:
         model: a :class:`~mlx_stream.model.SpeculativeModel`.
-        tree: a tree spec (:func:`resolve_tree`); ignored without heads.
+        tree: a tree spec (:func:`resolve_tree`), or ``"dynamic:N[,W]"`` for EAGLE-2's
+            dynamic tree (:class:`~mlx_stream.drafters.DynamicTreeDrafter`, eagle heads
+            only); ignored without heads.
         prompt_lookup: the most tokens copied from the context per step
             (:class:`~mlx_stream.drafters.LookupDrafter`); 0 turns it off; ``None``:
             :data:`PROMPT_LOOKUP` with heads, 0 without.
@@ -81,10 +118,20 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None,
             the context has no match (only with prompt lookup on).
 
     Raises:
-        ValueError: a bad tree spec or ``prompt_lookup``.
+        ValueError: a bad tree spec or ``prompt_lookup``, or a dynamic tree without eagle heads.
     """
     check_prompt_lookup(prompt_lookup)
-    if model.heads is None:
+    if tree is None and model.heads is not None and model.heads.config.tree:
+        tree = model.heads.config.tree
+    dyn = dynamic_spec(tree) if model.heads is not None else None
+    if dyn is not None:
+        if not model.heads.autoregressive:
+            raise ValueError(
+                f"a dynamic tree ({tree!r}) needs eagle heads (an EAGLE-style draft layer); "
+                f"these heads are {model.heads.config.architecture!r}: use a static tree"
+            )
+        drafter = DynamicTreeDrafter(model, dyn[0], dyn[1])
+    elif model.heads is None:
         drafter = NoDrafter()
     elif model.heads.autoregressive:
         drafter = EagleDrafter(model, resolve_tree(model, tree))

@@ -23,22 +23,33 @@ def eagle(tiny):
 
 
 def test_new_eagle_heads_copy_the_top_layer_and_round_trip(tiny, tmp_path):
+    """A fresh draft layer is the backbone's top layer with its residual branches' output
+    projections at zero and the input projection [I 0]: it first predicts the backbone's
+    own next token at every position (as a fresh hydra head does)."""
     model, tok = tiny
     heads = new_heads(model.backbone, tok, K, architecture="eagle", seed=1)
     top = dict(tree_flatten(model.backbone.model.layers[-1].parameters()))
     mine = dict(tree_flatten(heads.eagle.layer.parameters()))
-    assert mine.keys() == top.keys() and all(mx.array_equal(mine[k], top[k]) for k in top)
+    zeroed = {"self_attn.o_proj.weight", "mlp.down_proj.weight"}
+    assert mine.keys() == top.keys()
+    assert all(mx.array_equal(mine[k], top[k]) for k in top if k not in zeroed)
+    assert all(not mine[k].any() for k in zeroed)
     fresh = new_heads(model.backbone, tok, K, architecture="eagle", seed=1, copy_top_layer=False)
     q = "self_attn.q_proj.weight"
     assert not mx.array_equal(dict(tree_flatten(fresh.eagle.layer.parameters()))[q], top[q])
     assert mx.array_equal(fresh.eagle.norm.weight, mx.ones_like(fresh.eagle.norm.weight))
+    ids = mx.array(tok.encode("The quick brown fox jumps over the lazy dog"))
+    f = model.backbone.model(ids[None])  # (1, L, H) final features
+    for h in (heads, fresh):
+        g = h.eagle.sequence(f[:, :-1], model.embed(ids[1:])[None])
+        assert mx.array_equal(mx.argmax(model.project(g), -1), mx.argmax(model.project(f[:, :-1]), -1))
     back = load_heads(save_heads(heads, tmp_path / "h"))
     assert back.autoregressive and back.config.layer_spec == heads.config.layer_spec
     for (k, a), (_, b) in zip(tree_flatten(heads.parameters()), tree_flatten(back.parameters())):
         assert mx.array_equal(a, b), k
 
 
-def _reference_children(model, feats, tokens, node_path):
+def _reference_children(model, feats, tokens, node_path, log_probs=False):
     """Top-k children of a node, recomputed as one causal sequence of entries: the
     verified entries [f_i; e(x_{i+1})], then the node's ancestors' entries
     [f^ that drafted them; e(token)] in order (no tree mask, no cache)."""
@@ -54,6 +65,8 @@ def _reference_children(model, feats, tokens, node_path):
         out = draft.sequence(f[None], e[None])[0]
         fhat = out[-1]
     logits = model.project(fhat)
+    if log_probs:
+        return np.array(logits - mx.logsumexp(logits))
     return np.argsort(-np.array(logits))
 
 
@@ -180,3 +193,109 @@ def test_replay_of_eagle_heads_matches_the_loop(eagle):
             (pytest.approx(r["tokens"]), r["forward_passes"]) for r in ref
         ], tree
     assert sum(r["tokens"] for r in got) > 1.2 * sum(r["forward_passes"] for r in got)
+
+
+def test_select_dynamic_tree_keeps_the_best_connected_candidates():
+    from mlx_stream.drafters import select_dynamic_tree
+
+    # root children 0 (-0.1), 1 (-1.0), 2 (-3.0); under 0: 3 (-0.3), 4 (-2.0); under 1: 5 (-1.2)
+    vals = np.array([-0.1, -1.0, -3.0, -0.3, -2.0, -1.2])
+    pars = np.array([-1, -1, -1, 0, 0, 1])
+    rks = np.array([0, 1, 2, 0, 1, 0])
+    paths, picked = select_dynamic_tree(vals, pars, rks, 5)
+    assert picked == [0, 3, 1, 5] and paths == [(0,), (0, 0), (1,), (1, 0)]
+    assert select_dynamic_tree(vals, pars, rks, 2) == ([(0,)], [0])
+    assert len(select_dynamic_tree(vals, pars, rks, 50)[1]) == 6  # fewer candidates than the budget
+    # a tie between a parent and its child (probability 1) keeps the parent first
+    paths, picked = select_dynamic_tree(np.array([-0.5, -0.5]), np.array([-1, 0]), np.array([0, 0]), 3)
+    assert paths == [(0,), (0, 0)]
+    # a child whose parent missed the cut is skipped, not orphaned
+    paths, _ = select_dynamic_tree(
+        np.array([-1.0, -0.2, -0.9]), np.array([-1, -1, 0]), np.array([0, 1, 0]), 3
+    )
+    assert paths == [(1,), (0,)]
+
+
+@pytest.mark.parametrize("budget,width", [(8, 3), (9, 2)])
+def test_dynamic_tree_drafts_equal_a_causal_recomputation(eagle, budget, width):
+    """EAGLE-2's dynamic tree: every node is its parent's rank-r child under a plain causal
+    pass over its own path, its cumulative draft log-probability is the one that pass
+    gives (cache, positions and masks of the expanded entries), and the tree fills its
+    budget."""
+    from mlx_stream.drafters import DynamicTreeDrafter
+
+    model, tok = eagle
+    ids = tok.encode("The quick brown fox jumps over")
+    seq = list(mlx_lm_greedy(model.backbone, tok, ids, 12))
+    tokens_all = ids + seq
+    feats = model.backbone.model(mx.array(tokens_all)[None])[0]
+    drafter = DynamicTreeDrafter(model, budget=budget, width=width)
+    r, prev, depths = len(ids), 0, set()
+    for accepted in (0, 2, 1, 3):
+        tokens = tokens_all[: r + 1]
+        t, drafts = propose(drafter, feats[prev:r], tokens, K)
+        drafts = drafts.tolist()
+        assert t.size == budget and t.depth <= K
+        depths.add(t.depth)
+        for i in range(1, t.size):
+            path, p = [], i
+            while p > 0:
+                path.append(p)
+                p = int(t.parents[p])
+            path = path[::-1]
+            ref = _reference_children(model, feats, tokens, [drafts[j - 1] for j in path[:-1]])
+            assert drafts[i - 1] == int(ref[int(t.ranks[i])]), (accepted, i)
+            value = sum(
+                _reference_children(model, feats, tokens, [drafts[j - 1] for j in path[:m]], True)[
+                    drafts[path[m] - 1]
+                ]
+                for m in range(len(path))
+            )
+            assert abs(float(drafter.values[i - 1]) - value) < 1e-4, (accepted, i)
+        prev, r = r, r + accepted + 1
+    assert K in depths  # the deepest level's entries (ancestors' entries in their mask) ran
+    t, _ = propose(drafter, feats[prev:r], tokens_all[: r + 1], 1)  # depth limit
+    assert t.depth == 1 and t.size == width + 1  # the root's children only
+    t, d = propose(drafter, feats[r : r + 1], tokens_all[: r + 2], K, base=False)
+    assert t.size == 1 and d.size == 0 and drafter._committed == r + 1  # recorded, not drafted
+
+
+@pytest.mark.parametrize("spec", ["dynamic:6,3", "dynamic:4"])
+def test_greedy_identity_with_a_dynamic_tree(eagle, spec):
+    model, tok = eagle
+    for prompt in ("The quick brown fox", "Speculative decoding drafts several tokens"):
+        ids = tok.encode(prompt)
+        ref = mlx_lm_greedy(model.backbone, tok, ids, 48)
+        for lookup in (0, 8):
+            got, rs = ours(model, tok, ids, 48, tree=spec, prompt_lookup=lookup, adaptive=False)
+            assert_greedy_identical(model, ids, got, ref)
+            assert max(r.drafted for r in rs) >= 3
+
+
+def test_seeded_sampling_with_a_dynamic_tree_is_plain_sampling(eagle):
+    model, tok = eagle
+    ids = tok.encode("The quick brown fox")
+    for seed in range(4):
+        spec, _ = ours(model, tok, ids, 24, temp=1.0, seed=seed, tree="dynamic:6,3", adaptive=False)
+        heads, model.heads = model.heads, None
+        try:
+            plain, _ = ours(model, tok, ids, 24, temp=1.0, seed=seed)
+        finally:
+            model.heads = heads
+        assert spec == plain, seed
+
+
+def test_dynamic_tree_specs_are_checked(eagle, tiny_dir):
+    from mlx_stream import load
+    from mlx_stream.speculation import check_tree_spec, make_drafter, resolve_tree
+
+    model, tok = eagle
+    for bad in ("dynamic", "dynamic:1", "dynamic:8,0", "dynamic:x", "dynamic:4,2,1"):
+        with pytest.raises(ValueError, match="dynamic tree spec"):
+            check_tree_spec(bad)
+    with pytest.raises(ValueError, match="static tree"):
+        resolve_tree(model, "dynamic:8")
+    hydra, tok2 = load(str(tiny_dir), dtype="float32")
+    hydra.heads = new_heads(hydra.backbone, tok2, K, architecture="hydra", scale=0.3, seed=5)
+    with pytest.raises(ValueError, match="needs eagle heads"):
+        make_drafter(hydra, "dynamic:8")

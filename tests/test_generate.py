@@ -51,11 +51,19 @@ def test_greedy_identity_with_drafters(tiny_ref, tree):
 
 
 @pytest.mark.parametrize("tree", [chain(K), sparse(K)])
-@pytest.mark.parametrize("arch", ["hydra", "msa"])
+@pytest.mark.parametrize("arch", ["hydra", "msa", "msa-copies"])
 def test_greedy_identity_with_random_conditioned_heads(tiny_ref, tree, arch):
     model, tok, refs = tiny_ref
     model.heads = new_heads(
-        model.backbone, tok, K, scale=0.5, seed=4, architecture=arch, stream_layers=1, adapter_size=8
+        model.backbone,
+        tok,
+        K,
+        scale=0.5,
+        seed=4,
+        architecture=arch.split("-")[0],
+        stream_layers=1,
+        adapter_size=8,
+        stream_copies=arch == "msa-copies",
     )
     for ids, ref in refs:
         got, _ = ours(model, tok, ids, 48, tree=tree)

@@ -105,16 +105,26 @@ def _mid_and_kv(model, ids, ns):
     return x, fam.main_stream_kv(model.backbone, x, ns)
 
 
-def test_msa_streams_from_the_cache_equal_the_training_pass(tiny):
+@pytest.mark.parametrize("copies", [False, True])
+def test_msa_streams_from_the_cache_equal_the_training_pass(tiny, copies):
     """Decoding reads the KV cache at one position; training runs whole sequences with a
-    causal mask: the streams must agree, and must not see positions after t."""
+    causal mask: the streams must agree, and must not see positions after t (frozen
+    layers with adapters, and trainable stream layers)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_stream.models import llama as fam
 
     model, tok = tiny
     heads = new_heads(
-        model.backbone, tok, 3, scale=0.2, seed=1, architecture="msa", stream_layers=1, adapter_size=8
+        model.backbone,
+        tok,
+        3,
+        scale=0.2,
+        seed=1,
+        architecture="msa",
+        stream_layers=1,
+        adapter_size=8,
+        stream_copies=copies,
     )
     model.heads = heads
     ids = mx.array([5, 17, 33, 8, 91, 40, 2, 77])
@@ -155,6 +165,46 @@ def test_msa_heads_roundtrip_and_config(tiny, tmp_path):
     with pytest.raises(ValueError, match="stream_logits"):
         model.heads = loaded
         model.head_logits(mx.zeros((model.args.hidden_size,)))
+
+
+def test_trainable_stream_layers_start_as_the_backbones_and_round_trip(tiny, tmp_path):
+    """Fresh trainable stream layers are copies of the backbone's top N_s layers: the
+    streams equal those of frozen layers with (identity) adapters; they are the heads'
+    own parameters (the backbone's stay out of them) and survive a save and load."""
+    from mlx.utils import tree_flatten
+
+    from mlx_stream.models import llama as fam
+
+    model, tok = tiny
+    ns = 2
+    copies = new_heads(
+        model.backbone, tok, 3, seed=3, architecture="msa", stream_layers=ns, stream_copies=True
+    )
+    frozen = new_heads(model.backbone, tok, 3, seed=3, architecture="msa", stream_layers=ns)
+    for h in (copies, frozen):  # non-zero stream embeddings and root projection, the same in both
+        h.streams = 0.3 * mx.random.normal(h.streams.shape, key=mx.random.key(5))
+        h.root.weight = 0.1 * mx.random.normal(h.root.weight.shape, key=mx.random.key(6))
+    ids = mx.array([5, 17, 33, 8, 91, 40, 2, 77])
+    T = ids.shape[0]
+    x, kv = _mid_and_kv(model, ids, ns)
+    ar = mx.arange(T)
+    root = mx.concatenate([ids[1:], mx.array([0])])[None]
+    vis = (ar[None, :] <= ar[:, None])[None]
+    a = fam.stream_hidden(model.backbone, copies, x, ar[None], kv, vis, root)
+    b = fam.stream_hidden(model.backbone, frozen, x, ar[None], kv, vis, root)
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5)
+    names = [k for k, _ in tree_flatten(copies.trainable_parameters())]
+    assert any(k.startswith("layers.1.mlp") for k in names) and not any("adapters" in k for k in names)
+    copies.layers[0].mlp.down_proj.weight = copies.layers[0].mlp.down_proj.weight * 1.5
+    save_heads(copies, tmp_path / "h")
+    loaded = load_heads(tmp_path / "h")
+    assert loaded.config.stream_copies and loaded.config.layer_spec
+    c = fam.stream_hidden(model.backbone, loaded, x, ar[None], kv, vis, root)
+    d = fam.stream_hidden(model.backbone, copies, x, ar[None], kv, vis, root)
+    np.testing.assert_allclose(np.array(c), np.array(d), atol=1e-6)
+    assert not np.allclose(np.array(c), np.array(a), atol=1e-3)  # the changed copy is used
+    with pytest.raises(ValueError, match="stream_copies"):
+        HeadConfig(num_heads=2, hidden_size=8, vocab_size=10, architecture="hydra", stream_copies=True)
 
 
 def test_the_api_speculates_by_default():

@@ -1,7 +1,7 @@
 """Lossless greedy decoding on the real default model (SmolLM2-135M-Instruct, float32):
-with the shipped trained heads (their own tree), random heads, an oracle drafter and a
-drafter wrong at every depth, the output equals plain mlx-lm's greedy output token for
-token, 20 prompts x 128 tokens."""
+with the shipped trained heads (their own tree), random heads, an untrained EAGLE-style
+draft layer (a chain and a dynamic tree), an oracle drafter and a drafter wrong at every
+depth, the output equals plain mlx-lm's greedy output token for token, 20 prompts x 128 tokens."""
 
 import pytest
 from helpers import assert_greedy_identical, mlx_lm_greedy, ours
@@ -38,11 +38,18 @@ def random_heads(real):
     return new_heads(model.backbone, tok, K, scale=0.02, seed=0)
 
 
+@pytest.fixture(scope="module")
+def eagle_heads(real):
+    # an untrained EAGLE-style draft layer (a copy of the top layer, random input projection)
+    model, tok = real
+    return new_heads(model.backbone, tok, K, architecture="eagle", seed=0)
+
+
 @pytest.mark.real
 @pytest.mark.parametrize(
     "i", [i if i in QUICK else pytest.param(i, marks=pytest.mark.slow) for i in range(len(PROMPTS))]
 )
-def test_greedy_identity_real(real, shipped_heads, random_heads, i):
+def test_greedy_identity_real(real, shipped_heads, random_heads, eagle_heads, i):
     model, tok = real
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i]}], add_generation_prompt=True)
     ref = mlx_lm_greedy(model, tok, ids, MAX_TOKENS)
@@ -60,6 +67,10 @@ def test_greedy_identity_real(real, shipped_heads, random_heads, i):
         model.heads = random_heads
         got, _ = ours(model, tok, ids, MAX_TOKENS, tree=sparse(K))
         assert_greedy_identical(model, ids, got, ref)
+        model.heads = eagle_heads  # a draft layer with its own KV cache: a chain, EAGLE-2's dynamic tree
+        for tree in (chain(K), "dynamic:6,3"):
+            got, _ = ours(model, tok, ids, MAX_TOKENS, tree=tree, adaptive=False)
+            assert_greedy_identical(model, ids, got, ref)
     finally:
         model.heads = None
     got, rs = ours(model, tok, ids, MAX_TOKENS, drafter=OracleDrafter(len(ids), ref, sparse(K), V))

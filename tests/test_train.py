@@ -262,14 +262,18 @@ def test_kl_term_uses_the_backbone_distribution_at_t_plus_j(tiny):
     assert abs(float(same) - float(base)) < 1e-4 and float(other) > float(base) + 1e-3
 
 
-def test_msa_heads_learn_their_offsets_on_whole_sequences(tiny):
-    """Multi-stream attention heads train on sequence batches; each stream reaches its
-    own offset, and the frozen backbone is untouched."""
+@pytest.mark.parametrize("copies", [False, True])
+def test_msa_heads_learn_their_offsets_on_whole_sequences(tiny, copies):
+    """Multi-stream attention heads (frozen layers with adapters, or trainable stream
+    layers) train on sequence batches; each stream reaches its own offset, and the
+    frozen backbone is untouched."""
     from mlx_stream.train.streams import StreamSequence, stream_ranks, train_stream_heads
 
     model, tok = tiny
     before = {k: np.array(v) for k, v in tree_flatten(model.backbone.parameters())}
-    heads = new_heads(model.backbone, tok, K, architecture="msa", stream_layers=1, adapter_size=32)
+    heads = new_heads(
+        model.backbone, tok, K, architecture="msa", stream_layers=1, adapter_size=32, stream_copies=copies
+    )
     n = len(model.backbone.layers)
     seqs = []
     for s in range(7):

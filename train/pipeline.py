@@ -268,7 +268,7 @@ def _train_eagle(
     model, tokenizer, heads, out: Path, cfg: TrainConfig, trees: dict
 ) -> tuple[dict, np.ndarray]:
     # the draft layer reads whole sequences: features of every position of the run's rows
-    # (one batched teacher-forced prefill per split), then sequence batches of 4096 tokens
+    # (one batched teacher-forced prefill per split), then sequence batches of 256 tokens
     from mlx_stream.heads import save_heads
 
     from .eagle import evaluate_eagle, sequence_features, train_eagle

@@ -141,7 +141,8 @@ def stream_hidden(
     backbone, heads, x: mx.array, positions: mx.array, kv, visible: mx.array, root: mx.array
 ) -> mx.array:
     """Multi-stream attention through the backbone's top N_s layers (frozen) with the
-    heads' stream embeddings and stream-only adapters (Bhendawade et al. 2024,
+    heads' stream embeddings and stream-only adapters, or through the heads' trainable
+    copies of those layers (``stream_copies``) (Bhendawade et al. 2024,
     sec. 3.1); see :class:`mlx_stream.heads.StreamHeads` ("msa").
 
     Args:
@@ -162,13 +163,20 @@ def stream_hidden(
     """
     cfg = heads.config
     K = cfg.num_heads
-    top = backbone.model.layers[len(backbone.model.layers) - cfg.stream_layers :]
+    if cfg.stream_copies:  # trainable copies, no adapters
+        top, adapters = heads.layers, [None] * cfg.stream_layers
+    else:
+        top, adapters = (
+            backbone.model.layers[len(backbone.model.layers) - cfg.stream_layers :],
+            heads.adapters,
+        )
     B, T, _ = x.shape
     e = heads.root(backbone.model.embed_tokens(root).astype(x.dtype))  # (B, T, H)
     s = (x + e)[:, :, None, :] + heads.streams.astype(x.dtype)  # (B, T, K, H)
     pos = (positions[:, :, None] + mx.arange(1, K + 1)[None, None, :]).reshape(-1)
-    for layer, adapter, (keys, values) in zip(top, heads.adapters, kv):
-        s = adapter(s)
+    for layer, adapter, (keys, values) in zip(top, adapters, kv):
+        if adapter is not None:
+            s = adapter(s)
         s = s + _stream_attention(layer.self_attn, layer.input_layernorm(s), pos, keys, values, visible)
         s = s + layer.mlp(layer.post_attention_layernorm(s))
     return backbone.model.norm(s).transpose(2, 0, 1, 3)

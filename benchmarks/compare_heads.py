@@ -152,7 +152,8 @@ def main():
         tic = time.perf_counter()
         top = None
         if reuse:
-            old = json.loads(Path(a.out).read_text())["results"][arch] if Path(a.out).is_file() else {}
+            old = json.loads(Path(a.out).read_text())["results"] if Path(a.out).is_file() else {}
+            old = old.get(arch, {})
             rep = {"positions_per_s": old.get("positions_per_s", float("nan"))}
             speed = rep["positions_per_s"]
             if arch.startswith("eagle"):

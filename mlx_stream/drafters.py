@@ -397,7 +397,8 @@ class DynamicTreeDrafter(EagleDrafter):
         budget: the most nodes per tree, root included (>= 2); pick it from this
             device's measured cost of an N-node forward (``mlx-stream bench``).
         width: children per expanded node and nodes expanded per level (>= 1).
-        depth: the deepest level (default: the heads' ``num_heads``).
+        depth: the deepest level (default: the heads' ``num_heads``, at most ``budget - 1``:
+            no deeper level can enter the tree).
 
     Raises:
         ValueError: heads that are not ``"eagle"``, or a budget, width or depth out of range.
@@ -408,7 +409,7 @@ class DynamicTreeDrafter(EagleDrafter):
     def __init__(self, model, budget: int, width: int = 4, depth: int | None = None):
         if model.heads is None or not model.heads.autoregressive:
             raise ValueError("a dynamic draft tree needs eagle heads (an EAGLE-style draft layer)")
-        depth = model.heads.num_heads if depth is None else depth
+        depth = min(model.heads.num_heads, budget - 1) if depth is None else depth
         if budget < 2 or width < 1 or not 1 <= depth <= model.heads.num_heads:
             raise ValueError(
                 f"dynamic tree: budget must be >= 2, width >= 1 and depth in 1..{model.heads.num_heads}, "

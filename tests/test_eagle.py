@@ -88,11 +88,7 @@ def test_drafts_equal_a_causal_recomputation_step_after_step(eagle):
         t, drafts = propose(drafter, hidden, tokens, K)
         drafts = drafts.tolist()
         for i in range(1, t.size):
-            path, p = [], i
-            while p > 0:
-                path.append(p)
-                p = int(t.parents[p])
-            path = path[::-1]
+            path = t.paths[i]  # the node's ancestors from the root's first child, then itself
             parent_path = [drafts[j - 1] for j in path[:-1]]
             ref = _reference_children(model, feats, tokens, parent_path)
             assert drafts[i - 1] == int(ref[int(t.ranks[i])]), (accepted, i)
@@ -238,11 +234,7 @@ def test_dynamic_tree_drafts_equal_a_causal_recomputation(eagle, budget, width):
         assert t.size == budget and t.depth <= K
         depths.add(t.depth)
         for i in range(1, t.size):
-            path, p = [], i
-            while p > 0:
-                path.append(p)
-                p = int(t.parents[p])
-            path = path[::-1]
+            path = t.paths[i]
             ref = _reference_children(model, feats, tokens, [drafts[j - 1] for j in path[:-1]])
             assert drafts[i - 1] == int(ref[int(t.ranks[i])]), (accepted, i)
             value = sum(
@@ -295,6 +287,10 @@ def test_dynamic_tree_specs_are_checked(eagle, tiny_dir):
             check_tree_spec(bad)
     with pytest.raises(ValueError, match="static tree"):
         resolve_tree(model, "dynamic:8")
+    from mlx_stream.drafters import DynamicTreeDrafter
+
+    assert DynamicTreeDrafter(model, budget=3).depth == 2  # no deeper level could enter the tree
+    assert DynamicTreeDrafter(model, budget=30).depth == K
     hydra, tok2 = load(str(tiny_dir), dtype="float32")
     hydra.heads = new_heads(hydra.backbone, tok2, K, architecture="hydra", scale=0.3, seed=5)
     with pytest.raises(ValueError, match="needs eagle heads"):

@@ -97,8 +97,6 @@ def resolve_tree(model, spec: TreeSpec = None) -> Tree:
         return auto_tree(model)[0]
     if heads is None:
         return no_drafts() if spec is None else parse_tree(spec, 1 << 10)
-    if spec is None and heads.config.tree:
-        spec = heads.config.tree
     return parse_tree(spec, heads.num_heads)
 
 

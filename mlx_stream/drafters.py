@@ -404,8 +404,6 @@ class DynamicTreeDrafter(EagleDrafter):
         ValueError: heads that are not ``"eagle"``, or a budget, width or depth out of range.
     """
 
-    reads_path = True
-
     def __init__(self, model, budget: int, width: int = 4, depth: int | None = None):
         if model.heads is None or not model.heads.autoregressive:
             raise ValueError("a dynamic draft tree needs eagle heads (an EAGLE-style draft layer)")

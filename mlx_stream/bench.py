@@ -15,9 +15,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from .cost import forward_cost
+from .distributed import Ranks, launch_local, shard
 from .files import atomic_write, write_json
 from .prompts import prompt_ids
-from .workers import run_in_processes
 
 
 @dataclass
@@ -75,9 +75,11 @@ def compare(
     make_drafter: Callable | None = None,
     progress: Callable[[PromptResult], None] | None = None,
     seed: int = 0,
+    indices: Sequence[int] | None = None,
 ) -> list[PromptResult]:
     """Decoding of each prompt (through the chat template) by plain
     ``mlx_lm.stream_generate`` and by :func:`mlx_stream.stream_generate`, interleaved.
+    ``indices``: each prompt's number (its result's ``index`` and seed; default 0, 1, ...).
 
     Args:
         decoding: mlx-stream's settings; plain mlx-lm samples with ``make_sampler`` of
@@ -106,7 +108,7 @@ def compare(
     for _ in stream_generate(model, tokenizer, warm, **(decoding.kwargs() | {"max_tokens": 8})):
         pass
     results = []
-    for i, p in enumerate(prompts):
+    for i, p in zip(indices if indices is not None else range(len(prompts)), prompts):
         ids = prompt_ids(tokenizer, p)
         ref, plain_tps = [], 0.0
         mx.random.seed(seed + i)
@@ -169,9 +171,12 @@ def side_by_side(
     seed: int = 0,
     log: Callable[[str], None] = print,
     progress: Callable[[PromptResult], None] | None = None,
+    ranks: Ranks | None = None,
 ) -> dict:
     """``mlx-stream bench``: the cost curve c(N) of this device, then :func:`compare`
-    and its :func:`summary`.
+    and its :func:`summary`. Over several ``ranks`` (:mod:`mlx_stream.distributed`) the
+    prompts are split (prompt i on rank i mod size, seeded as on one rank) and every
+    rank returns the summary of all of them; c(N) is rank 0's.
 
     Args:
         decoding: mlx-stream's settings; ``tree="auto"`` is resolved first
@@ -219,9 +224,23 @@ def side_by_side(
         + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items() if n != "t1_ms")
         + f"  (1-token forward {cost['t1_ms']:.1f} ms)"
     )
-    res = summary(
-        compare(model, tokenizer, prompts, decoding, make_drafter=make, progress=progress, seed=seed), groups
+    ranks = ranks or Ranks()
+    mine = compare(
+        model,
+        tokenizer,
+        shard(prompts, ranks),
+        decoding,
+        make_drafter=make,
+        progress=progress,
+        seed=seed,
+        indices=shard(range(len(prompts)), ranks),
     )
+    if ranks.size > 1:
+        rows = [r for part in ranks.gather([asdict(r) for r in mine]) for r in part]
+        mine = sorted((PromptResult(**r) for r in rows), key=lambda r: r.prompt)
+        cost = {k: float(v) for k, v in ranks.broadcast_object({str(k): v for k, v in cost.items()}).items()}
+        cost = {int(k) if k.isdigit() else k: v for k, v in cost.items()}
+    res = summary(mine, groups)
     res |= {"tree": decoding.tree, "tree_auto": chosen, "forward_cost": {str(k): v for k, v in cost.items()}}
     if oracle:
         # every rank-0 draft is accepted: tau / c(N) is what a loop without overhead would reach
@@ -313,33 +332,43 @@ def tau_by_category(
     return pool_tau(decode_items(model, tokenizer, items, decoding, step))
 
 
-def _decode_worker(model_spec: str, heads, dtype: str, items, decoding: Decoding, path: str) -> None:
+def decode_items_over_ranks(
+    model, tokenizer, items: Sequence[dict], decoding: Decoding, ranks: Ranks, progress=None
+) -> list[dict]:
+    """:func:`decode_items` with the items split over ``ranks`` (item i on rank i mod
+    size; :mod:`mlx_stream.distributed`); every rank gets all rows, in item order."""
+    parts = ranks.gather(decode_items(model, tokenizer, shard(items, ranks), decoding, progress))
+    return [parts[i % ranks.size][i // ranks.size] for i in range(len(items))]
+
+
+def _decode_rank(model_spec: str, heads, dtype: str, items, decoding: Decoding, path: str) -> None:
+    from .distributed import connect
     from .loader import load
 
+    ranks = connect()
     model, tokenizer = load(model_spec, heads=heads, dtype=dtype)
-    write_json(decode_items(model, tokenizer, items, decoding), path)
+    rows = decode_items_over_ranks(model, tokenizer, items, decoding, ranks)
+    if ranks.is_main:
+        write_json(rows, path)
 
 
 def decode_items_in_processes(
     model_spec: str, heads, dtype: str, items: Sequence[dict], decoding: Decoding, workers: int
 ) -> list[dict]:
-    """:func:`decode_items` split over ``workers`` spawned processes (item i goes to
-    worker i mod workers; each loads the model itself), rows back in item order. On a
-    2-core CPU two single-threaded processes nearly double the throughput.
+    """:func:`decode_items_over_ranks` on ``workers`` ranks started on this machine
+    (:func:`mlx_stream.distributed.launch_local`; each loads the model itself), rows
+    back in item order. On a 2-core CPU two single-threaded ranks nearly double the
+    throughput.
 
     Raises:
-        RuntimeError: a worker failed.
+        RuntimeError: a rank failed.
     """
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [f"{tmp}/{w}.json" for w in range(workers)]
-        run_in_processes(
-            _decode_worker,
-            [(model_spec, heads, dtype, list(items[w::workers]), decoding, paths[w]) for w in range(workers)],
-        )
-        parts = [json.loads(Path(p).read_text()) for p in paths]
-    return [parts[i % workers][i // workers] for i in range(len(items))]
+        path = f"{tmp}/rows.json"
+        launch_local(workers, _decode_rank, (model_spec, heads, dtype, list(items), decoding, path))
+        return json.loads(Path(path).read_text())
 
 
 def environment(dtype: str | None = None) -> dict:

@@ -558,11 +558,13 @@ def bench(
     ),
 ):
     """Side-by-side against plain mlx-lm (same weights, one process, interleaved);
-    greedy by default (identity checked), or sampled with the same settings."""
+    greedy by default (identity checked), or sampled with the same settings. Under
+    mlx.launch the prompts are split over the ranks and rank 0 reports."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from mlx_stream.bench import Decoding, environment, side_by_side, write_report
+    from mlx_stream.distributed import connect
     from mlx_stream.generate import check_generation
     from mlx_stream.prompts import select_prompts
     from mlx_stream.sampling import SamplingParams
@@ -578,6 +580,7 @@ def bench(
     if out:
         _check_out(out, folder=True)
     _blas_hint()
+    ranks = connect()
     oracle = drafter == "oracle"
     m, tok = _load(model, NO_HEADS if oracle else heads, dtype)
     if not oracle and m.heads is None:
@@ -589,6 +592,7 @@ def bench(
         TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,
+        disable=not ranks.is_main,
     ) as bar:
         task = bar.add_task("bench", total=len(texts))
 
@@ -610,11 +614,14 @@ def bench(
                 groups,
                 oracle=oracle,
                 seed=seed,
-                log=bar.console.print,
-                progress=show,
+                log=bar.console.print if ranks.is_main else lambda m: None,
+                progress=show if ranks.is_main else None,
+                ranks=ranks,
             )
         except ValueError as e:
             _fail(str(e))
+    if not ranks.is_main:
+        return
     res |= {
         "model": model,
         "heads": heads if m.heads is not None else None,
@@ -626,6 +633,7 @@ def bench(
         "seed": seed,
         "command": "mlx-stream " + " ".join(sys.argv[1:]),
         "environment": environment(dtype),
+        "ranks": ranks.size,
     }
     ident = res["identical"] if res["identical"] is not None else "n/a"
     typer.echo(
@@ -672,7 +680,15 @@ def train(
         True, "--distill/--no-distill", help="Let the backbone write the completions (default)."
     ),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Completion length for self-distillation."),
-    workers: int = typer.Option(1, "--workers", help="Self-distillation processes (2 suits a 2-core CPU)."),
+    workers: int = typer.Option(
+        1,
+        "--workers",
+        help="Ranks to start on this machine (mlx.distributed; 2 suits a 2-core CPU). Under "
+        "mlx.launch the launcher's ranks are used instead.",
+    ),
+    connect_timeout: float = typer.Option(
+        120.0, "--connect-timeout", help="Seconds to wait for the other ranks (under mlx.launch) to connect."
+    ),
     gen_batch_size: int = typer.Option(
         64, "--gen-batch-size", help="Sequences generated together per process."
     ),
@@ -768,12 +784,15 @@ def train(
             resume=resume,
             tune=tune,
             init_heads=init_heads,
+            connect_timeout=connect_timeout,
             **settings,
         )
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
     except OSError as e:
         _fail(f"{e.filename or out}: {e.strerror or e}")
+    if report is None:  # a rank other than 0 of a distributed run: rank 0 reports
+        return
     v = report.get("valid", {})
     typer.echo(
         f"heads: {out}/heads  top-1 {v.get('top1')}  top-5 {v.get('top5')}  implied tau {v.get('tau')}"
@@ -836,7 +855,11 @@ def eval_heads(
     prompt_lookup: int | None = _LOOKUP,
     dtype: str = _DTYPE,
     out: str | None = typer.Option(None, "--out", help="Write the result as JSON to this file."),
-    workers: int = typer.Option(1, "--workers", help="Decoding processes (2 suits a 2-core CPU)."),
+    workers: int = typer.Option(
+        1,
+        "--workers",
+        help="Ranks to start on this machine (2 suits a 2-core CPU); under mlx.launch, the launcher's.",
+    ),
     replay: bool = typer.Option(
         False,
         "--replay",
@@ -844,8 +867,16 @@ def eval_heads(
         "(same tau, several times faster; heads that read only the final hidden state).",
     ),
 ):
-    """Greedy decoding over Spec-Bench first turns: tau overall, per task group and per category."""
-    from mlx_stream.bench import Decoding, decode_items_in_processes, pool_tau, tau_by_category
+    """Greedy decoding over Spec-Bench first turns: tau overall, per task group and per category.
+    Under mlx.launch the prompts are split over the ranks and rank 0 reports."""
+    from mlx_stream.bench import (
+        Decoding,
+        decode_items_in_processes,
+        decode_items_over_ranks,
+        pool_tau,
+        tau_by_category,
+    )
+    from mlx_stream.distributed import connect, launched
     from mlx_stream.files import write_json
     from mlx_stream.generate import check_generation
     from mlx_stream.loader import resolve_heads
@@ -879,6 +910,11 @@ def eval_heads(
             res = pool_tau(replay_items(m, tok, items, max_tokens, tree, prompt_lookup, progress=_progress))
         except ValueError as e:
             _fail(str(e))
+    elif launched():
+        ranks = connect()
+        res = pool_tau(decode_items_over_ranks(m, tok, items, decoding, ranks))
+        if not ranks.is_main:
+            return
     elif workers > 1:
         spec = resolve_heads(model, heads) if m.heads is not None else None
         del m, tok

@@ -78,3 +78,47 @@ def assert_greedy_identical(model, prompt_ids, got, ref, tol=1e-4):
             return "tie"
     assert len(got) == len(ref), f"lengths differ: {len(got)} vs mlx-lm {len(ref)}"
     return "equal"
+
+
+def train_on_ranks(model_dir: str, feats_dir: str, out: str, cfg: dict, draft_ids: list[int]) -> None:
+    """One rank of a data-parallel :func:`train_heads` run (started by
+    ``mlx_stream.distributed.launch_local``): rank 0 saves the float32 heads to
+    ``out/heads.f32.safetensors``."""
+    from mlx.utils import tree_flatten
+
+    from mlx_stream import load
+    from mlx_stream.distributed import connect
+    from mlx_stream.heads import new_heads
+    from mlx_stream.train import TrainConfig, load_features, train_heads
+
+    ranks = connect(timeout_s=60)
+    model, tok = load(model_dir, dtype="float32")
+    heads = new_heads(model.backbone, tok, cfg["num_heads"], draft_ids=mx.array(draft_ids))
+    train_heads(model, heads, load_features(feats_dir), out, TrainConfig(**cfg), progress=False, ranks=ranks)
+    if ranks.is_main:
+        mx.save_safetensors(f"{out}/heads.f32.safetensors", dict(tree_flatten(heads.parameters())))
+
+
+def collectives_on_ranks(folder: str, out: str) -> None:
+    """One rank of the collectives test: gather, broadcast and a folder copied from rank 1."""
+    import json
+    from pathlib import Path
+
+    from mlx_stream.distributed import connect
+
+    ranks = connect(timeout_s=60)
+    got = {
+        "gather": ranks.gather({"rank": ranks.rank, "text": "é" * (ranks.rank + 1)}),
+        "broadcast": ranks.broadcast_object(f"from {ranks.rank}", root=1),
+        "sum": np.array(ranks.sum(mx.array([ranks.rank + 1.0]))).tolist(),
+        "local_size": ranks.local_size,
+    }
+    src = Path(folder) / f"rank{ranks.rank}"
+    if ranks.rank == 1:  # rank 1 wrote a folder; rank 0 (another "machine") wants a copy
+        src.mkdir(parents=True)
+        (src / "a.bin").write_bytes(bytes(range(256)) * 1000)
+        (src / "empty").write_bytes(b"")
+    dst = Path(folder) / "rank1"
+    ranks.barrier()
+    ranks.share_folder(src if ranks.rank == 1 else dst.with_name("copy"), owner=1, want=ranks.rank == 0)
+    (Path(out) / f"{ranks.rank}.json").write_text(json.dumps(got))

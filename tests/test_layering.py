@@ -24,7 +24,7 @@ LAYERS = [
             "mlx_stream.defaults",
             "mlx_stream.files",
             "mlx_stream.prompts",
-            "mlx_stream.workers",
+            "mlx_stream.distributed",
             "mlx_stream.env",
             "mlx_stream.tree",
             "mlx_stream.verify",

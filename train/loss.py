@@ -48,6 +48,7 @@ def stream_loss(
     kl_weight: float = 0.0,
     soft: tuple[mx.array, mx.array] | None = None,
     streams: list | None = None,
+    counts: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Multi-stream cross-entropy (Speculative Streaming, Bhendawade et al. 2024,
     eq. 5, with the backbone frozen so the main-stream term is constant), optionally
@@ -80,6 +81,9 @@ def stream_loss(
             its own thread, and the projection's softmax, which MLX computes on one
             thread, dominates a step, so two streams on two cores train ~1.5x
             faster (``benchmarks/train_step.py``).
+        counts: ``(K,)`` the number of valid labels per head in the whole batch that
+            this slice belongs to (data-parallel ranks each hold a slice; the slices'
+            losses and gradients then sum to the whole batch's); None: this batch's.
 
     Returns:
         ``(loss, correct)``: the scalar weighted mean loss and ``(K, 2)`` counts of
@@ -92,7 +96,7 @@ def stream_loss(
     hs = heads(hidden.astype(mx.float32), emb)  # (K, B, H)
     labels = targets[:, 1 : K + 1].T  # (K, B)
     valid = labels >= 0
-    n = mx.maximum(valid.sum(axis=1), 1)
+    n = mx.maximum(valid.sum(axis=1) if counts is None else counts, 1)
     streams = list(streams or [None])
     per_head, hits = [], []
     for g, s in enumerate(streams):  # contiguous groups of heads, one per stream

@@ -21,15 +21,19 @@ stage is skipped when its output exists, so rerunning the same command
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import shutil
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_stream.workers import run_in_processes
+from mlx_stream.distributed import Ranks, connect, launch_local, launched
+from mlx_stream.files import write_json
 
 from .data import prompt_ids, read_jsonl, split, synthesize_prompts, to_example, write_jsonl
 from .features import FeatureWriter, load_features, sequence_ids, targets_for, teacher_forced
@@ -41,19 +45,23 @@ def _log(msg: str) -> None:
     print(f"[train] {msg}", flush=True)
 
 
-def _in_processes(target, arg_lists: list[tuple]) -> None:
-    try:
-        run_in_processes(target, arg_lists)
-    except RuntimeError as e:
-        raise RuntimeError(f"{e}; rerun with --resume") from e
-
-
-def _synth_worker(model_spec: str, dtype: str, n: int, seed: int, path: Path) -> None:
-    from mlx_stream.loader import load
-
-    model, tokenizer = load(model_spec, heads=None, dtype=dtype)
-    log = lambda m: _log(f"[seed {seed}] {m}")  # noqa: E731
-    write_jsonl(({"prompt": p} for p in synthesize_prompts(model, tokenizer, n, seed=seed, log=log)), path)
+def _file_writers(out: Path, ranks: Ranks) -> bool:
+    # whether this rank writes its machine's shared files (data, merged features): the
+    # lowest rank among those that see the same --out folder (one machine, or a shared disk)
+    if ranks.size == 1:
+        return True
+    token = ranks.broadcast_object(uuid.uuid4().hex)
+    marks = out / ".ranks"
+    marks.mkdir(parents=True, exist_ok=True)
+    (marks / f"{token}.{ranks.rank}").touch()
+    ranks.barrier()
+    seen = [r for r in range(ranks.size) if (marks / f"{token}.{r}").exists()]
+    ranks.barrier()
+    (marks / f"{token}.{ranks.rank}").unlink()
+    ranks.barrier()
+    if ranks.rank == min(seen):
+        shutil.rmtree(marks, ignore_errors=True)
+    return ranks.rank == min(seen)
 
 
 def load_rows(
@@ -63,32 +71,35 @@ def load_rows(
     data: str | None,
     synthesize: int,
     seed: int,
-    workers: int = 1,
-    model_spec: str | None = None,
-    dtype: str = "float32",
+    ranks: Ranks | None = None,
+    writer: bool = True,
 ) -> list[dict]:
     """The dataset's rows: the user's jsonl normalised to ``{"prompt", "completion"}``,
     or ``synthesize`` Magpie prompts (saved once as ``data/prompts.jsonl``, of which a
-    rerun uses the first ``synthesize``; with ``workers`` > 1, worker w samples its
-    share with seed ``seed + w``, the shares are interleaved and duplicates dropped).
+    rerun uses the first ``synthesize``). Rank 0 reads them and the other ``ranks``
+    receive them; with more than one rank, rank r samples its share of the prompts
+    with seed ``seed + r``, and the shares are interleaved and duplicates dropped.
+    ``writer``: this rank writes ``data/prompts.jsonl`` (one rank per ``out`` folder).
 
     Raises:
         ValueError: fewer than 2 usable rows (one is held out).
     """
+    ranks = ranks or Ranks()
+    rows = None
     if data:
-        rows = [to_example(r, f"{data}:{i + 1}") for i, r in enumerate(read_jsonl(data))]
-    elif (out / "data" / "prompts.jsonl").is_file():
+        if ranks.is_main:
+            rows = [to_example(r, f"{data}:{i + 1}") for i, r in enumerate(read_jsonl(data))]
+    elif ranks.is_main and (out / "data" / "prompts.jsonl").is_file():
         rows = read_jsonl(out / "data" / "prompts.jsonl")[:synthesize]
-    else:
+    rows = ranks.broadcast_object(rows)
+    if rows is None:
         tic = time.perf_counter()
-        if workers > 1 and model_spec is not None:
-            paths = [out / "data" / f".prompts.{w}.jsonl" for w in range(workers)]
-            shares = [synthesize // workers + (w < synthesize % workers) for w in range(workers)]
-            _in_processes(
-                _synth_worker, [(model_spec, dtype, shares[w], seed + w, paths[w]) for w in range(workers)]
-            )
+        n = ranks.size
+        if n > 1:
+            share = synthesize // n + (ranks.rank < synthesize % n)
+            log = lambda m: _log(f"[rank {ranks.rank}, seed {seed + ranks.rank}] {m}")  # noqa: E731
+            per = ranks.gather(synthesize_prompts(model, tokenizer, share, seed=seed + ranks.rank, log=log))
             # round-robin, so the first 2m prompts of any run are those of a run asked for 2m
-            per = [[r["prompt"] for r in read_jsonl(path)] for path in paths]
             seen, prompts = set(), []
             for i in range(max(map(len, per))):
                 for ps in per:
@@ -99,9 +110,8 @@ def load_rows(
             prompts = synthesize_prompts(model, tokenizer, synthesize, seed=seed, log=_log)
         _log(f"synthesised {len(prompts)} prompts (Magpie) in {time.perf_counter() - tic:.0f}s")
         rows = [{"prompt": p, "completion": None} for p in prompts]
-        write_jsonl(rows, out / "data" / "prompts.jsonl")
-        for path in (out / "data").glob(".prompts.*.jsonl"):
-            path.unlink()
+        if writer:
+            write_jsonl(rows, out / "data" / "prompts.jsonl")
     if len(rows) < 2:
         raise ValueError(
             f"only {len(rows)} usable prompts ({'from ' + data if data else 'synthesised'}): "
@@ -160,13 +170,6 @@ def distill_part(
         writer.close()
 
 
-def _worker(model_spec: str, dtype: str, rows, todo, part, num_heads, max_tokens, batch_size, label, top_k):
-    from mlx_stream.loader import load
-
-    model, tokenizer = load(model_spec, heads=None, dtype=dtype)
-    distill_part(model, tokenizer, rows, todo, part, num_heads, max_tokens, batch_size, label, top_k)
-
-
 def build_split(
     model,
     tokenizer,
@@ -178,20 +181,26 @@ def build_split(
     max_tokens: int,
     batch_size: int,
     fingerprint: dict,
-    workers: int = 1,
-    model_spec: str | None = None,
-    dtype: str = "float32",
     top_k: int = 0,
+    ranks: Ranks | None = None,
+    writer: bool = True,
 ):
     """Features (and ``data/<name>.jsonl``) for one split, resuming a partial build.
 
     Rows with a prompt get the backbone's own greedy completion when ``distill`` is
-    set or they have none: :func:`distill_part` over ``workers`` processes (each
-    loads ``model_spec`` and decodes single-threaded), each writing its own part,
-    merged here. Raw-text rows and rows kept as they are run through the backbone
-    once, batched (:func:`mlx_stream.train.features.teacher_forced`). ``top_k`` > 0
-    also stores the backbone's top-k log-probabilities per position (soft targets).
+    set or they have none: :func:`distill_part`, one part per rank (rank r distils
+    rows r, r + size, ... of them into ``features/<name>.parts/r``; a resumed run keeps
+    the interrupted run's parts, rank r continuing parts r, r + size, ...). Finished
+    parts are copied to the machines that lack them; then one rank per ``out`` folder
+    (``writer``) merges them with the rows that keep their completions (raw text, run
+    through the backbone once, batched: :func:`mlx_stream.train.features.teacher_forced`)
+    and every rank loads the result. ``top_k`` > 0 also stores the backbone's top-k
+    log-probabilities per position (soft targets).
+
+    Raises:
+        ValueError: ``out`` holds the parts of an interrupted run on other rows.
     """
+    ranks = ranks or Ranks()
     needs = [r["prompt"] != "" and (distill or r["completion"] is None) for r in rows]
     todo = [i for i in range(len(rows)) if needs[i]]
     parts_dir = out / "features" / f"{name}.parts"
@@ -203,56 +212,46 @@ def build_split(
             f"{parts_dir}: an interrupted run on a different dataset (other --data, --synthesize or "
             f"--seed); rerun it with the same options, or delete {parts_dir} to start this one"
         )
-    parts_dir.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(digest)
-    started = {d.name.split(".")[0] for d in parts_dir.iterdir() if d.is_dir()}
-    if started and len(started) != workers:  # the shares must stay those of the interrupted run
-        _log(f"{name}: resuming with the {len(started)} worker share(s) of the interrupted run")
-        workers = len(started)
-    parts = [parts_dir / str(w) for w in range(min(max(workers, 1), len(todo)))]
-    shares = [todo[w :: len(parts)] for w in range(len(parts))]
-    if len(parts) == 1 or model_spec is None:
-        for w, part in enumerate(parts):
-            distill_part(
-                model, tokenizer, rows, shares[w], part, num_heads, max_tokens, batch_size, f"{name}: ", top_k
-            )
-    else:
-        _in_processes(
-            _worker,
-            [
-                (
-                    model_spec,
-                    dtype,
-                    rows,
-                    shares[w],
-                    part,
-                    num_heads,
-                    max_tokens,
-                    batch_size,
-                    f"{name} [{w + 1}/{len(parts)}]: ",
-                    top_k,
+    started = sorted(int(d.name) for d in parts_dir.iterdir() if d.is_dir()) if parts_dir.is_dir() else []
+    ranks.barrier()  # every rank has read the stamp before it is written
+    if writer:
+        parts_dir.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(digest)
+    # the shares must stay those of the interrupted run (rank 0's folder says which)
+    count = ranks.broadcast_object(len(started) or min(ranks.size, len(todo)))
+    if started and count != ranks.size:
+        _log(f"{name}: resuming the {count} part(s) of the interrupted run on {ranks.size} rank(s)")
+    parts = [parts_dir / str(w) for w in range(count)]
+    for w in range(ranks.rank, count, ranks.size):
+        label = f"{name}: " if count == 1 else f"{name} [{w + 1}/{count}]: "
+        distill_part(
+            model, tokenizer, rows, todo[w::count], parts[w], num_heads, max_tokens, batch_size, label, top_k
+        )
+    for w, part in enumerate(parts):  # to the machines without a shared disk
+        ranks.share_folder(part, owner=w % ranks.size, want=writer and not (part / "meta.json").is_file())
+    ranks.barrier()
+    if writer:
+        writer_ = FeatureWriter(out / "features" / name, model.state_size, num_heads, top_k=top_k)
+        try:
+            given = [i for i in range(len(rows)) if not needs[i]]
+            seqs = [sequence_ids(tokenizer, rows[i]) for i in given]
+            for k, h, lp, ti in teacher_forced(model, seqs, top_k):  # rows are re-sorted below
+                ids, start = seqs[k]
+                writer_.add(
+                    h, targets_for(ids, start, num_heads), {"index": given[k], **rows[given[k]]}, lp, ti
                 )
-                for w, part in enumerate(parts)
-            ],
-        )
-    writer = FeatureWriter(out / "features" / name, model.state_size, num_heads, top_k=top_k)
-    try:
-        given = [i for i in range(len(rows)) if not needs[i]]
-        seqs = [sequence_ids(tokenizer, rows[i]) for i in given]
-        for k, h, lp, ti in teacher_forced(model, seqs, top_k):  # rows are re-sorted below
-            ids, start = seqs[k]
-            writer.add(h, targets_for(ids, start, num_heads), {"index": given[k], **rows[given[k]]}, lp, ti)
-        for part in parts:
-            writer.extend(load_features(part))
-        kept = sorted(writer.rows, key=lambda r: r["index"])
-        write_jsonl(
-            ({k: v for k, v in r.items() if k != "index"} for r in kept), out / "data" / f"{name}.jsonl"
-        )
-        feats = writer.finish(fingerprint)
-    finally:
-        writer.close()
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    return feats
+            for part in parts:
+                writer_.extend(load_features(part))
+            kept = sorted(writer_.rows, key=lambda r: r["index"])
+            write_jsonl(
+                ({k: v for k, v in r.items() if k != "index"} for r in kept), out / "data" / f"{name}.jsonl"
+            )
+            writer_.finish(fingerprint)
+        finally:
+            writer_.close()
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    ranks.barrier()
+    return load_features(out / "features" / name)
 
 
 def choose_draft_vocab(feats, size: int) -> tuple[np.ndarray, float]:
@@ -387,7 +386,8 @@ def run(
     tune: bool = True,
     top_k: int = 0,
     init_heads: str | Path | None = None,
-) -> dict:
+    connect_timeout: float = 120.0,
+) -> dict | None:
     """Train stream heads for ``model_spec``; see the module docstring for the layout.
     With ``tune``, the heads are saved with the draft tree that scores best on the
     held-out data and this machine's forward costs (:func:`tune_tree`). ``top_k`` > 0
@@ -399,10 +399,19 @@ def run(
     projection); the report's ``positions_seen_total`` and the heads'
     ``trained_positions`` add this run's positions to theirs.
 
+    Under a distributed launcher (``mlx.launch``; :mod:`mlx_stream.distributed`) the run
+    is one rank of a job: the ranks split the self-distillation (:func:`build_split`)
+    and train data-parallel with the same global batches (:func:`train_heads`), so the
+    heads are those of a one-rank run; rank 0 writes the heads and ``report.json`` and
+    returns the report, the other ranks return None. ``workers`` > 1 outside a
+    launcher starts that many ranks on this machine (:func:`launch_local`) and returns
+    rank 0's report. ``connect_timeout``: seconds to wait for the ranks to connect.
+
     Raises:
         ValueError: ``out`` holds a previous run and ``resume`` is False; too few rows;
             an unknown architecture; ``init_heads`` of another shape or backbone.
         FileNotFoundError: ``init_heads`` is not a heads folder.
+        RuntimeError: a rank started by ``workers`` failed (rerun with ``resume``).
     """
     from mlx_stream.heads import backbone_fingerprint, load_heads, new_heads, save_heads
     from mlx_stream.loader import load
@@ -419,8 +428,21 @@ def run(
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not resume:
         raise ValueError(f"{out}: holds a previous run; pass --resume to continue it or choose another --out")
+    if workers > 1 and not launched():  # the same distributed run, its ranks on this machine
+        args = {k: v for k, v in locals().items() if k in inspect.signature(run).parameters}
+        args["workers"] = 1
+        _log(f"{workers} ranks on this machine (mlx.distributed, ring backend on 127.0.0.1)")
+        try:
+            launch_local(workers, _rank_run, (args,))
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; rerun with --resume") from e
+        return json.loads((out / "report.json").read_text())
+    ranks = connect(connect_timeout)
+    if ranks.size > 1:
+        _log(f"rank {ranks.rank} of {ranks.size} ({ranks.local_size} on this machine)")
     tic = time.perf_counter()
     model, tokenizer = load(model_spec, heads=None, dtype=dtype)
+    writer = _file_writers(out, ranks)
     fp = backbone_fingerprint(model.backbone, tokenizer)
     init = None
     if init_heads is not None:
@@ -428,13 +450,14 @@ def run(
         check_init_heads(init.config, cfg, architecture, str(init_heads))
     feats, splits = {}, None
     for name in ("train", "valid"):
-        try:
+        have = (out / "features" / name / "meta.json").is_file()
+        if ranks.broadcast_object(have):  # rank 0 has them: the machines that lack them get a copy
+            ranks.share_folder(out / "features" / name, owner=0, want=writer and not have)
+            ranks.barrier()
             feats[name] = load_features(out / "features" / name)
-        except FileNotFoundError:
+        else:
             if splits is None:
-                rows = load_rows(
-                    model, tokenizer, out, data, synthesize, cfg.seed, workers, model_spec, dtype
-                )
+                rows = load_rows(model, tokenizer, out, data, synthesize, cfg.seed, ranks, writer)
                 splits = dict(zip(("train", "valid"), split(rows, valid_fraction, cfg.seed)))
             feats[name] = build_split(
                 model,
@@ -447,10 +470,9 @@ def run(
                 max_tokens,
                 gen_batch_size,
                 fp,
-                workers=workers,
-                model_spec=model_spec,
-                dtype=dtype,
                 top_k=top_k,
+                ranks=ranks,
+                writer=writer,
             )
         if feats[name].num_heads < cfg.num_heads:
             raise ValueError(
@@ -464,9 +486,10 @@ def run(
         ids, coverage = choose_draft_vocab(feats["train"], draft_vocab)
         _log(f"draft vocabulary: {len(ids)} tokens covering {coverage:.1%} of training targets")
         ids = mx.array(ids)
-    if resume and (out / "heads" / "config.json").is_file() and (out / "report.json").is_file():
+    done = resume and (out / "heads" / "config.json").is_file() and (out / "report.json").is_file()
+    if ranks.broadcast_object(done):
         _log(f"{out / 'heads'} is already trained; delete it (and report.json) to train again")
-        return json.loads((out / "report.json").read_text())
+        return json.loads((out / "report.json").read_text()) if ranks.is_main else None
     if init is None:
         heads = new_heads(
             model.backbone, tokenizer, cfg.num_heads, cfg.num_layers, draft_ids=ids, architecture=architecture
@@ -480,9 +503,13 @@ def run(
             heads.set_draft_vocab(ids)
     seen_before = heads.config.trained_positions
     trees = {"chain": chain(cfg.num_heads).choices, "sparse": sparse(cfg.num_heads).choices}
-    ranks = None
-    if architecture == "eagle":
-        report, ranks = _train_eagle(model, tokenizer, heads, out, cfg, trees)
+    eagle_ranks = None
+    if architecture == "eagle":  # on rank 0 alone (the data stage above was spread over the ranks)
+        if not ranks.is_main:
+            return None
+        if ranks.size > 1:
+            _log("the eagle draft layer trains on rank 0 alone (the other ranks are done)")
+        report, eagle_ranks = _train_eagle(model, tokenizer, heads, out, cfg, trees)
     else:
         report = train_heads(
             model,
@@ -494,9 +521,12 @@ def run(
             resume=resume,
             progress=progress,
             trees=trees,
+            ranks=ranks,
         )
+        if not ranks.is_main:
+            return None
     if tune and len(feats["valid"]):
-        report["tree_search"] = tune_tree(model, heads, feats["valid"], ranks=ranks)
+        report["tree_search"] = tune_tree(model, heads, feats["valid"], ranks=eagle_ranks)
         best = report["tree_search"]["sizes"][report["tree_search"]["best"]]
         _log(f"tree for these heads: {best['tree']} (tau {best['tau']:.2f}, cost {best['cost']:.2f})")
         save_heads(heads, out / "heads", dtype=mx.float16)
@@ -509,5 +539,14 @@ def run(
     report["architecture"] = architecture
     report["data_tokens"] = {k: int(len(v)) for k, v in feats.items()}
     report["draft_vocab_coverage"] = coverage
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    report["ranks"] = ranks.size
+    write_json(report, out / "report.json")
     return report
+
+
+def _rank_run(kwargs: dict) -> None:  # one rank of run(workers=N): a spawned process
+    try:
+        run(**kwargs)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -16,8 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from mlx_stream.distributed import Ranks
 from mlx_stream.files import staged_folder
 
 from .config import TrainConfig
@@ -48,13 +49,14 @@ def implied_tau(ranks: np.ndarray, choices) -> float:
     return 1.0 + total / max(len(ranks), 1)
 
 
-def loss_streams(num_heads: int) -> list | None:
+def loss_streams(num_heads: int, threads: int | None = None) -> list | None:
     """The MLX streams a training step spreads the heads' loss over: on a CPU one per
-    core up to one per head (MLX runs each CPU stream on its own thread, and the
-    softmax over the draft vocabulary runs on one thread per op); None elsewhere."""
+    core (``threads``: this process's share of them; default all) up to one per head
+    (MLX runs each CPU stream on its own thread, and the softmax over the draft
+    vocabulary runs on one thread per op); None elsewhere."""
     if mx.default_device() != mx.cpu:
         return None
-    n = min(num_heads, os.cpu_count() or 1)
+    n = min(num_heads, threads or os.cpu_count() or 1)
     return [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n - 1)] if n > 1 else None
 
 
@@ -177,8 +179,17 @@ def train_heads(
     progress: bool = True,
     trees: dict | None = None,
     stop_after: int | None = None,
+    ranks: Ranks | None = None,
 ) -> dict | None:
     """Train ``heads`` (in place) on ``train``; the backbone is never updated.
+
+    Data-parallel over ``ranks`` (:mod:`mlx_stream.distributed`; default one rank): every
+    rank holds the same features and draws the same global batches; rank r computes
+    the loss of rows r, r + size, ... of each, normalised by the whole batch's label
+    counts, and the gradients are summed with ``all_sum``, so the update is the
+    one-rank update whatever the rank count (up to float summation order). Rank 0
+    alone writes the checkpoint, the heads and the report; on ``resume`` it reads
+    the checkpoint and the other ranks receive its state. The other ranks return None.
 
     Writes ``out_dir/checkpoint`` every ``cfg.checkpoint_every`` optimizer steps (an
     atomic folder swap) and, at the end, ``out_dir/heads`` (the heads folder) and
@@ -201,12 +212,15 @@ def train_heads(
     opt = optim.AdamW(learning_rate=_schedule(cfg, total_steps), weight_decay=cfg.weight_decay)
     weights = head_weights(heads.num_heads, cfg.head_decay)
     model.backbone.freeze()
+    ranks = ranks or Ranks()
+    if cfg.batch_size < ranks.size:
+        raise ValueError(f"batch size {cfg.batch_size} is below the {ranks.size} ranks: each needs rows")
 
     rows, lut = _draft_rows(model, heads), draft_vocab_lut(heads, model.args.vocab_size)
 
-    streams = loss_streams(heads.num_heads)
+    streams = loss_streams(heads.num_heads, ranks.threads())
 
-    def loss_fn(h, t, path, teacher, soft):
+    def loss_fn(h, t, path, teacher, soft, counts):
         return stream_loss(
             model,
             heads,
@@ -219,15 +233,21 @@ def train_heads(
             kl_weight=cfg.kl_weight,
             soft=soft,
             streams=streams,
+            counts=counts,
         )
 
     loss_and_grad = nn.value_and_grad(heads, loss_fn)
     ckpt = out_dir / "checkpoint"
     step, losses = 0, []
-    if resume and ckpt.exists():
+    if resume and ckpt.exists() and ranks.is_main:
         st = _load_checkpoint(ckpt, heads, opt)
         step, losses = st["step"], st["losses"]
     opt.init(heads.trainable_parameters()) if not opt.state else None
+    if ranks.size > 1:  # every rank starts from rank 0's heads, optimizer state and step
+        step, losses = ranks.broadcast_object([step, losses])
+        heads.update(ranks.broadcast_tree(heads.trainable_parameters()))
+        opt.state = ranks.broadcast_tree(opt.state)
+        mx.eval(heads.parameters(), opt.state)
 
     @functools.lru_cache(maxsize=1)
     def order(epoch: int) -> np.ndarray:  # one seeded permutation per epoch
@@ -240,6 +260,11 @@ def train_heads(
         tg = path = mx.array(np.asarray(train.targets[idx, : heads.num_heads + 1]))
         if lut is not None:  # labels as draft-vocabulary indices, -1 (ignored) outside it
             tg = mx.where(tg >= 0, lut[mx.maximum(tg, 0)], -1)
+        counts = None
+        if ranks.size > 1:  # this rank's rows of the batch; the loss divides by the whole batch's counts
+            counts = (tg[:, 1:] >= 0).sum(axis=0)
+            mine = mx.array(np.arange(ranks.rank, len(idx), ranks.size))
+            idx, tg, path = idx[ranks.rank :: ranks.size], tg[mine], path[mine]
         teacher = soft = None
         if cfg.kl_weight > 0:  # rows t+j: the next rows of the same sequence (clipped rows are masked out)
             nxt = np.minimum(idx[:, None] + np.arange(1, heads.num_heads + 1)[None, :], P - 1).reshape(-1)
@@ -249,7 +274,7 @@ def train_heads(
                 soft = (lp, ids if lut is None else lut[ids])
             else:  # the backbone's distribution recomputed from the hidden states h_{t+j}
                 teacher = mx.array(np.asarray(train.hidden[nxt]).reshape(len(idx), heads.num_heads, -1))
-        return mx.array(np.asarray(train.hidden[idx])), tg, path[:, : heads.num_heads], teacher, soft
+        return mx.array(np.asarray(train.hidden[idx])), tg, path[:, : heads.num_heads], teacher, soft, counts
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -259,7 +284,7 @@ def train_heads(
         TextColumn("{task.completed}/{task.total}"),
         TimeRemainingColumn(),
         TextColumn("{task.fields[info]}"),
-        disable=not progress,
+        disable=not progress or not ranks.is_main,
     )
     tic, start_step = time.perf_counter(), step
     correct = np.zeros((heads.num_heads, 2))
@@ -269,6 +294,8 @@ def train_heads(
             grads_sum, loss_sum = None, 0.0
             for a in range(cfg.grad_accum):
                 (loss, corr), grads = loss_and_grad(*batch(step * cfg.grad_accum + a))
+                if ranks.size > 1:  # the slices' gradients sum to the whole batch's
+                    grads, loss, corr = tree_map(ranks.sum, grads), ranks.sum(loss), ranks.sum(corr)
                 grads_sum = grads if grads_sum is None else _tree_add(grads_sum, grads)
                 loss_sum = loss_sum + loss
                 correct += np.array(corr)
@@ -283,17 +310,29 @@ def train_heads(
             acc = " ".join(f"{c / max(n, 1):.2f}" for c, n in correct)
             info = f"loss {losses[-1]:.3f}  top-1 {acc}  {tps:.0f} tok/s"
             bar.update(task, completed=step, info=info)
-            if progress and not bar.console.is_terminal and (step % 25 == 0 or step == total_steps):
+            if (
+                progress
+                and ranks.is_main
+                and not bar.console.is_terminal
+                and (step % 25 == 0 or step == total_steps)
+            ):
                 eta = (total_steps - step) * (time.perf_counter() - tic) / done
                 print(f"[train] step {step}/{total_steps}  {info}  eta {eta / 60:.1f} min", flush=True)
             if step % 50 == 0:
                 correct[:] = 0
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total_steps:
+            if (
+                ranks.is_main
+                and cfg.checkpoint_every
+                and step % cfg.checkpoint_every == 0
+                and step < total_steps
+            ):
                 _save_checkpoint(ckpt, heads, opt, {"step": step, "losses": losses, "config": asdict(cfg)})
             if stop_after is not None and step - start_step >= stop_after and step < total_steps:
                 return None
     wall = time.perf_counter() - tic
     heads.config.trained_positions += total_micro * cfg.batch_size
+    if not ranks.is_main:
+        return None
     save_heads(heads, out_dir / "heads", dtype=mx.float16)  # float16 on disk: half the size
     report = {
         "config": asdict(cfg),
@@ -307,6 +346,7 @@ def train_heads(
         "head_params": sum(v.size for _, v in tree_flatten(heads.trainable_parameters())),
         "draft_vocab_size": heads.config.draft_vocab_size,
         "backbone_params": sum(v.size for _, v in tree_flatten(model.backbone.parameters())),
+        "ranks": ranks.size,
     }
     if valid is not None and len(valid):
         report["valid"] = evaluate(model, heads, valid, trees=trees)

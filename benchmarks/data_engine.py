@@ -2,7 +2,8 @@
 kept), next to the matmul GFLOP/s this machine gives in the same run.
 
     python benchmarks/data_engine.py --prompts benchmarks/data/magpie_256.jsonl \
-        --max-tokens 192 --workers 2 --batch-size 64 [--top-k 32]
+        --max-tokens 192 --batch-size 64 [--top-k 32]
+    mlx.launch -n 2 -- python benchmarks/data_engine.py --prompts ...   # two ranks
     python benchmarks/data_engine.py --prompts runs/grow1/data/valid.jsonl --no-distill
 
 It runs ``mlx_stream.train.pipeline.build_split`` (what ``mlx-stream train`` runs for
@@ -117,7 +118,6 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
     ap.add_argument("--max-tokens", type=int, default=192)
-    ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--heads", type=int, default=4, help="targets per position (K)")
@@ -128,6 +128,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
+    from mlx_stream.distributed import connect
     from mlx_stream.heads import backbone_fingerprint
     from mlx_stream.loader import load
     from mlx_stream.prompts import prompt_ids
@@ -155,11 +156,14 @@ def main() -> None:
     keep = args.no_distill
     rows = [{"prompt": r["prompt"], "completion": r["completion"] if keep else None} for r in rows]
     rows = rows[: args.limit or None]
+    ranks = connect()  # under mlx.launch: the prompts are split over the ranks
     model, tokenizer = load(args.model, heads=None)
     fp = backbone_fingerprint(model.backbone, tokenizer)
     mm_before = matmul_gflops()
     extra = {"top_k": args.top_k} if args.top_k else {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as own:
+        tmp = ranks.broadcast_object(own)  # one folder for all the ranks (one machine)
+        ranks.barrier()
         tic = time.perf_counter()
         feats = build_split(
             model,
@@ -172,12 +176,15 @@ def main() -> None:
             args.max_tokens,
             args.batch_size,
             fp,
-            workers=args.workers,
-            model_spec=args.model,
+            ranks=ranks,
+            writer=ranks.is_main,
             **extra,
         )
         wall = time.perf_counter() - tic
         positions = len(feats)
+        ranks.barrier()  # rank 0's folder stays until every rank has loaded the features
+    if not ranks.is_main:
+        return
     mm_after = matmul_gflops()
     prompt_tokens = sum(len(prompt_ids(tokenizer, r["prompt"])) for r in rows)
     params = sum(layer_params(layer) for layer in model.backbone.layers)
@@ -187,7 +194,7 @@ def main() -> None:
             {
                 "prompts": len(rows),
                 "path": "teacher-forced" if keep else "self-distillation",
-                "workers": args.workers,
+                "ranks": ranks.size,
                 "batch_size": args.batch_size,
                 "max_tokens": args.max_tokens,
                 "top_k": args.top_k,

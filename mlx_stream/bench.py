@@ -337,8 +337,7 @@ def decode_items_over_ranks(
 ) -> list[dict]:
     """:func:`decode_items` with the items split over ``ranks`` (item i on rank i mod
     size; :mod:`mlx_stream.distributed`); every rank gets all rows, in item order."""
-    parts = ranks.gather(decode_items(model, tokenizer, shard(items, ranks), decoding, progress))
-    return [parts[i % ranks.size][i // ranks.size] for i in range(len(items))]
+    return ranks.map(lambda mine: decode_items(model, tokenizer, mine, decoding, progress), items)
 
 
 def _decode_rank(model_spec: str, heads, dtype: str, items, decoding: Decoding, path: str) -> None:

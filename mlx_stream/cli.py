@@ -906,10 +906,16 @@ def eval_heads(
                 tau = pool_tau(done).get("all", {}).get("tau", float("nan"))
                 typer.echo(f"{len(done)}/{len(items)}  tau so far {tau:.3f}", err=True)
 
+        def _replay(its):
+            return replay_items(m, tok, its, max_tokens, tree, prompt_lookup, progress=_progress)
+
         try:
-            res = pool_tau(replay_items(m, tok, items, max_tokens, tree, prompt_lookup, progress=_progress))
+            ranks = connect()  # under mlx.launch the ranks split the prompts
+            res = pool_tau(ranks.map(_replay, items))
         except ValueError as e:
             _fail(str(e))
+        if not ranks.is_main:
+            return
     elif launched():
         ranks = connect()
         res = pool_tau(decode_items_over_ranks(m, tok, items, decoding, ranks))

@@ -114,6 +114,13 @@ class Ranks:
         rows = rows.reshape(self.size, -1)
         return [json.loads(bytes(rows[r, : lengths[r]]).decode("utf-8")) for r in range(self.size)]
 
+    def map(self, fn: Callable[[list], list], items: Sequence) -> list:
+        """``fn`` over ``items`` split between the ranks (:func:`shard`: item i on rank
+        i mod size), every rank getting all the results in item order. ``fn`` maps a
+        list of items to one JSON-serialisable result per item."""
+        parts = self.gather(fn(shard(items, self)))
+        return [parts[i % self.size][i // self.size] for i in range(len(items))]
+
     def broadcast_object(self, obj, root: int = 0):
         """Rank ``root``'s JSON-serialisable ``obj`` on every rank."""
         return self.gather(obj if self.rank == root else None)[root]

@@ -440,6 +440,7 @@ def run(
     ranks = connect(connect_timeout)
     if ranks.size > 1:
         _log(f"rank {ranks.rank} of {ranks.size} ({ranks.local_size} on this machine)")
+    say = _log if ranks.is_main else lambda m: None  # (each rank logs its own distillation)
     tic = time.perf_counter()
     model, tokenizer = load(model_spec, heads=None, dtype=dtype)
     writer = _file_writers(out, ranks)
@@ -480,15 +481,15 @@ def run(
                 f"delete it to rebuild for {cfg.num_heads}"
             )
     data_s = time.perf_counter() - tic
-    _log(f"{len(feats['train'])} training positions, {len(feats['valid'])} held out")
+    say(f"{len(feats['train'])} training positions, {len(feats['valid'])} held out")
     ids, coverage = None, 1.0
     if 0 < draft_vocab < model.args.vocab_size:
         ids, coverage = choose_draft_vocab(feats["train"], draft_vocab)
-        _log(f"draft vocabulary: {len(ids)} tokens covering {coverage:.1%} of training targets")
+        say(f"draft vocabulary: {len(ids)} tokens covering {coverage:.1%} of training targets")
         ids = mx.array(ids)
     done = resume and (out / "heads" / "config.json").is_file() and (out / "report.json").is_file()
     if ranks.broadcast_object(done):
-        _log(f"{out / 'heads'} is already trained; delete it (and report.json) to train again")
+        say(f"{out / 'heads'} is already trained; delete it (and report.json) to train again")
         return json.loads((out / "report.json").read_text()) if ranks.is_main else None
     if init is None:
         heads = new_heads(

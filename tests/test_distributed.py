@@ -26,11 +26,13 @@ BIN = Path(sys.executable).parent
 EXE, LAUNCH = str(BIN / "mlx-stream"), str(BIN / "mlx.launch")
 # float32 heads of a 2-rank run against a 1-rank run with the same global batches. The
 # summed slices' gradients equal the one-batch gradient to float rounding (relative
-# 1.8e-7, test_slices_of_a_batch_sum_to_its_loss_and_gradient), but AdamW divides each
-# gradient by its running RMS, which amplifies that rounding where a gradient is near
-# zero: observed max |diff| 2.6e-5 after one step with the KL term and accumulation,
-# 1.3e-5 after 6 steps (lr 3e-3; 4e-7 without the KL term)
-TOL = 1e-4
+# 1.8e-7, test_slices_of_a_batch_sum_to_its_loss_and_gradient, which covers the KL term),
+# but AdamW divides each gradient by its running RMS, which amplifies that rounding where
+# a gradient is near zero, up to a whole lr-sized step: with the KL term the heads
+# differed by 1.3e-5, 2.6e-5 and 1.6e-4 in three runs (lr 3e-3), without it by 2.2e-7
+# and 4.2e-7, and by 8.9e-8 in this test's run (twice). So the heads are compared
+# without the KL term.
+TOL = 1e-5
 
 
 def test_one_rank_needs_no_launcher():
@@ -61,13 +63,13 @@ def test_a_failing_rank_ends_the_others(tmp_path):
 def test_two_ranks_train_the_same_heads_as_one(tiny, tiny_dir, tmp_path):
     """Data-parallel training (each rank half of every global batch, gradients summed)
     gives the one-rank heads: reduced draft vocabulary (labels outside it ignored, so
-    the ranks' label counts differ), KL to the backbone, gradient accumulation."""
+    the ranks' label counts differ), gradient accumulation."""
     model, tok = tiny
     rng = np.random.default_rng(0)
     seqs = [(rng.integers(1, 120, size=40).tolist(), 4) for _ in range(8)]
     feats = build_features_from_ids(model, seqs, tmp_path / "f", 3, dtype="float32")
     draft_ids = sorted(rng.choice(128, size=48, replace=False).tolist())
-    cfg = dict(num_heads=3, epochs=2, batch_size=42, grad_accum=2, lr=3e-3, warmup=2, kl_weight=0.5)
+    cfg = dict(num_heads=3, epochs=2, batch_size=42, grad_accum=2, lr=3e-3, warmup=2, kl_weight=0.0)
     cfg |= dict(checkpoint_every=0, seed=3)
     one = new_heads(model.backbone, tok, 3, draft_ids=mx.array(draft_ids))
     report = train_heads(model, one, feats, tmp_path / "one", TrainConfig(**cfg), progress=False)

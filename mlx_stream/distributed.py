@@ -12,6 +12,7 @@ free ports), as ``mlx.launch -n N`` does; ``--workers N`` of the commands is tha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -140,31 +141,20 @@ class Ranks:
         names = sorted(p.name for p in folder.iterdir() if p.is_file()) if self.rank == owner else None
         sizes = [(n, (folder / n).stat().st_size) for n in names] if names is not None else None
         sizes = self.broadcast_object(sizes, root=owner)
-        stage = staged_folder(folder, replace=True) if want else None
-        tmp = stage.__enter__() if stage is not None else None
-        try:
+        with contextlib.ExitStack() as stack:  # the staged copy is renamed in only when whole
+            tmp = stack.enter_context(staged_folder(folder, replace=True)) if want else None
             for name, size in sizes:
-                src = open(folder / name, "rb") if self.rank == owner else None
-                dst = open(tmp / name, "wb") if tmp is not None else None
-                try:
-                    for start in range(0, max(size, 1), _CHUNK):
+                with contextlib.ExitStack() as files:
+                    src = files.enter_context(open(folder / name, "rb")) if self.rank == owner else None
+                    dst = files.enter_context(open(tmp / name, "wb")) if tmp is not None else None
+                    for start in range(0, size, _CHUNK):
                         n = min(_CHUNK, size - start)
-                        buf = np.zeros(max(n, 0), dtype=np.uint8)
+                        buf = np.zeros(n, dtype=np.uint8)
                         if src is not None:
                             buf[:] = np.frombuffer(src.read(n), dtype=np.uint8)
-                        got = np.array(self.broadcast(mx.array(buf), root=owner)) if n > 0 else buf
+                        got = np.array(self.broadcast(mx.array(buf), root=owner))
                         if dst is not None:
                             dst.write(got.tobytes())
-                finally:
-                    for f in (src, dst):
-                        if f is not None:
-                            f.close()
-        except BaseException:
-            if stage is not None:
-                stage.__exit__(*sys.exc_info())
-            raise
-        if stage is not None:
-            stage.__exit__(None, None, None)
 
 
 def launched() -> bool:

@@ -19,7 +19,11 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 
 _EXPORTS = {
+    "BudgetDrafter": ".budget",
     "ChatSession": ".chat",
+    "Datastore": ".datastore",
+    "DraftStore": ".datastore",
+    "AnswerStore": ".datastore",
     "DEFAULT_HEADS": ".defaults",
     "DEFAULT_MODEL": ".defaults",
     "Drafter": ".drafters",

@@ -65,11 +65,11 @@ def device_key(model) -> dict:
 
     from .env import openblas_active
 
-    cfg = model.heads.config
+    cfg = model.heads.config if model.heads is not None else None
     dtype = str(next(iter(v.dtype for _, v in _params(model.backbone))))
     return {
-        "heads": hashlib.sha256(cfg.to_json().encode()).hexdigest()[:16],
-        "backbone": cfg.fingerprint or model.args.model_type,
+        "heads": hashlib.sha256(cfg.to_json().encode()).hexdigest()[:16] if cfg else None,
+        "backbone": (cfg.fingerprint if cfg else None) or model.args.model_type,
         "dtype": dtype,
         "device": str(mx.default_device()),
         "machine": f"{platform.system()} {platform.machine()} {platform.processor()} {os.cpu_count()} CPUs",

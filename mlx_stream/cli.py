@@ -49,7 +49,9 @@ _TREE = typer.Option(
     "--tree",
     help=f"Draft tree: '{AUTO_TREE}' (the heads' candidate that is fastest on this device, measured once), "
     "'sparse', 'chain', 'chain:K', 'none', rank paths like '0;1;0,0;0,0,0', or (eagle heads) "
-    "'dynamic:N[,W]', EAGLE-2's dynamic tree of at most N nodes. Default: the tree stored with the heads.",
+    "'dynamic:N[,W]', EAGLE-2's dynamic tree of at most N nodes, or 'budget' (each step's tree chosen "
+    "across the heads, prompt lookup and the datastore by estimated acceptance and this device's "
+    "measured costs). Default: the tree stored with the heads.",
 )
 _LOOKUP = typer.Option(
     None,
@@ -57,6 +59,13 @@ _LOOKUP = typer.Option(
     help="Most tokens drafted per step by prompt lookup (copying what followed the context's longest "
     f"repeated suffix, 2 to 6 tokens) on top of the heads' tree; 0 turns it off. Default: {PROMPT_LOOKUP} "
     "with heads, 0 without.",
+)
+_LEARN = typer.Option(
+    None,
+    "--learn/--no-learn",
+    help="Draft also from this machine's store of the model's past answers and add this run's answers "
+    "to it (answers only, never prompts; `mlx-stream answers` shows or clears it). Default: on, "
+    "unless the environment sets MLX_STREAM_LEARN=0.",
 )
 _TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
 _TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]; 1 disables it.")
@@ -90,6 +99,7 @@ class DecodeOptions:
     kv_group_size: int
     quantized_kv_start: int
     prompt_cache_file: str | None
+    learn: bool | None
 
     def generation(self, max_tokens: int) -> dict:
         """Keyword arguments of :func:`mlx_stream.stream_generate`, checked before anything
@@ -126,7 +136,7 @@ class DecodeOptions:
 
     def load(self):
         """``(model, tokenizer)``; exit 2 with one line when they cannot be loaded."""
-        return _load(self.model, NO_HEADS if self.no_heads else self.heads, self.dtype)
+        return _load(self.model, NO_HEADS if self.no_heads else self.heads, self.dtype, _learn(self.learn))
 
     def prompt_cache(self, model, tokenizer):
         """The cache loaded from ``--prompt-cache-file``, or None; exit 2 when it cannot be."""
@@ -217,6 +227,7 @@ _DECODE_OPTIONS = [
             "(the prompt continues it).",
         ),
     ),
+    _option("learn", bool | None, _LEARN),
 ]
 
 
@@ -246,11 +257,17 @@ def _fail(msg: str):
     raise typer.Exit(2)
 
 
-def _load(model: str, heads: str, dtype: str):
+def _learn(flag: bool | None) -> bool:
+    from mlx_stream.datastore import learn_setting
+
+    return learn_setting() if flag is None else flag
+
+
+def _load(model: str, heads: str, dtype: str, learn: bool | str = False):
     from mlx_stream.loader import load
 
     try:
-        return load(model, heads=heads, dtype=dtype)
+        return load(model, heads=heads, dtype=dtype, learn=learn)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
 
@@ -438,6 +455,7 @@ def server(
         4, "--cache-slots", help="Prompt caches kept: conversations whose history is reused (>= 1)."
     ),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level."),
+    learn: bool | None = _LEARN,
 ):
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from mlx_stream.generate import check_generation
@@ -464,6 +482,7 @@ def server(
             temp=temp,
             log_level=log_level,
             cache_slots=cache_slots,
+            learn=_learn(learn),
             tree=tree,
             prompt_lookup=prompt_lookup,
         )
@@ -556,6 +575,12 @@ def bench(
     out: str | None = typer.Option(
         None, "--out", help="Write report.json, report.md and report.png into this folder."
     ),
+    answers: bool = typer.Option(
+        False,
+        "--answers",
+        help="Draft also from this machine's store of the model's past answers (read only: the "
+        "benchmark's answers are not added).",
+    ),
 ):
     """Side-by-side against plain mlx-lm (same weights, one process, interleaved);
     greedy by default (identity checked), or sampled with the same settings. Under
@@ -582,7 +607,7 @@ def bench(
     _blas_hint()
     ranks = connect()
     oracle = drafter == "oracle"
-    m, tok = _load(model, NO_HEADS if oracle else heads, dtype)
+    m, tok = _load(model, NO_HEADS if oracle else heads, dtype, "read" if answers else False)
     if not oracle and m.heads is None:
         typer.echo("note: no heads loaded; this measures plain decoding through the loop", err=True)
     with Progress(
@@ -836,6 +861,53 @@ def tasks(
     for r in derived:
         counts[r["task"]] = counts.get(r["task"], 0) + 1
     typer.echo(f"{out}: {len(derived)} prompts (" + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
+
+
+@app.command("answers")
+def answers_command(
+    model: str = _MODEL,
+    clear: bool = typer.Option(False, "--clear", help="Delete the stored answers."),
+    add: str | None = typer.Option(
+        None,
+        "--add",
+        help="Add the completions of a jsonl file ({'prompt', 'completion'} rows, e.g. a training run's "
+        "data/train.jsonl) as answers.",
+    ),
+    dtype: str = _DTYPE,
+):
+    """This machine's store of a model's past answers, which drafting draws on: where it
+    is and what it holds; --clear deletes it, --add imports answers. Commands add to it
+    unless --no-learn or MLX_STREAM_LEARN=0."""
+    from mlx_stream.datastore import SEP, AnswerStore, answers_path
+    from mlx_stream.heads import backbone_fingerprint
+    from mlx_stream.loader import cache_dir
+    from mlx_stream.prompts import read_jsonl
+
+    rows = None
+    if add is not None:
+        try:
+            rows = [r["completion"] for r in read_jsonl(add) if isinstance(r.get("completion"), str)]
+        except (ValueError, FileNotFoundError) as e:
+            _fail(str(e))
+        if not rows:
+            _fail(f"{add}: no rows with a 'completion' string")
+    m, tok = _load(model, NO_HEADS, dtype)
+    fp = backbone_fingerprint(m.backbone, tok)
+    store = AnswerStore(answers_path(fp, cache_dir()), fp["tokenizer"])
+    if clear:
+        typer.echo(f"{store.path}: {'cleared' if store.clear() else 'nothing stored'}")
+        return
+    if rows is not None:
+        n = store.append(tok.encode(r, add_special_tokens=False) for r in rows)
+        typer.echo(f"{store.path}: added {len(rows)} answers, {n} tokens stored")
+        return
+    tokens = store.read()
+    count = int((tokens == SEP).sum())
+    size = store.path.stat().st_size if store.path.is_file() else 0
+    typer.echo(
+        f"{store.path}: {count} answers, {len(tokens) - count} tokens ({size / 1e6:.2f} MB; keeps the "
+        f"latest {store.max_tokens} tokens)"
+    )
 
 
 @app.command("eval-heads")

@@ -15,7 +15,14 @@ among the matches (a walk down the continuation trie of REST). Pure numpy.
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
+import warnings
+import zipfile
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
@@ -72,9 +79,6 @@ class Datastore:
                 parts += [np.asarray(s, dtype=np.int32), np.array([SEP], dtype=np.int32)]
         return cls(np.concatenate(parts) if parts else np.zeros(0, np.int32), max_ngram)
 
-    def __len__(self) -> int:
-        return int((self.tokens != SEP).sum())
-
     def match(self, context: Sequence[int], min_ngram: int = 2) -> tuple[int, int, int]:
         """The longest suffix of ``context`` (at most ``max_ngram`` tokens, at least
         ``min_ngram``) found in the store: ``(n, lo, hi)``, its length and the range of
@@ -93,6 +97,15 @@ class Datastore:
             if j + 1 >= min_ngram:
                 best = (j + 1, lo, hi)
         return best
+
+    def positions(self, context: Sequence[int], min_ngram: int = 2, max_matches: int = 256):
+        """``(n, at)``: the length of the longest matched suffix of ``context`` and where
+        the continuations of its latest ``max_matches`` occurrences start (``(P,)`` int64
+        indices into :attr:`tokens`, ascending); ``(0, empty)`` when none."""
+        n, lo, hi = self.match(context, min_ngram)
+        if not n:
+            return 0, np.zeros(0, np.int64)
+        return n, np.sort(self.order[lo:hi])[-max_matches:] + 1
 
     def lookup(
         self,
@@ -114,43 +127,112 @@ class Datastore:
         Returns:
             The drafted tokens (empty when nothing matched).
         """
-        n, lo, hi = self.match(context, min_ngram)
-        if not n or num_draft <= 0:
-            return []
-        at = np.sort(self.order[lo:hi])[-max_matches:] + 1  # where each occurrence's continuation starts
-        out: list[int] = []
-        T = len(self.tokens)
-        for d in range(num_draft):
-            at = at[at + d < T]
-            nxt = self.tokens[at + d]
+        return lookup_many([self], context, num_draft, min_ngram, min_share, max_matches)
+
+    def lookup_ngram(self, context, num_draft: int, min_ngram: int = 2, **kw) -> tuple[int, list[int]]:
+        """:meth:`lookup` and the length of the suffix it matched (:func:`lookup_ngram`)."""
+        return lookup_ngram([self], context, num_draft, min_ngram, **kw)
+
+    def __len__(self) -> int:
+        return int((self.tokens != SEP).sum())
+
+
+def lookup_many(
+    stores: Sequence[Datastore],
+    context: Sequence[int],
+    num_draft: int,
+    min_ngram: int = 2,
+    min_share: float = 0.3,
+    max_matches: int = 256,
+) -> list[int]:
+    """:meth:`Datastore.lookup` over several stores as one: the longest suffix matched
+    in any of them, its continuations counted over every store that matches it that long.
+
+    Returns:
+        The drafted tokens (empty when nothing matched or ``num_draft`` <= 0).
+    """
+    return lookup_ngram(stores, context, num_draft, min_ngram, min_share, max_matches)[1]
+
+
+def lookup_ngram(
+    stores: Sequence[Datastore],
+    context: Sequence[int],
+    num_draft: int,
+    min_ngram: int = 2,
+    min_share: float = 0.3,
+    max_matches: int = 256,
+) -> tuple[int, list[int]]:
+    """:func:`lookup_many` and the length of the suffix it matched: ``(n, tokens)``
+    (``(0, [])`` when nothing matched or ``num_draft`` <= 0)."""
+    if num_draft <= 0:
+        return 0, []
+    found = [(s, *s.positions(context, min_ngram, max_matches)) for s in stores]
+    n = max((f[1] for f in found), default=0)
+    if not n:
+        return 0, []
+    runs = [(s.tokens, at) for s, m, at in found if m == n]
+    out: list[int] = []
+    for d in range(num_draft):
+        nxts = []
+        for i, (toks, at) in enumerate(runs):
+            at = at[at + d < len(toks)]
+            nxt = toks[at + d]
             keep = nxt != SEP
-            at, nxt = at[keep], nxt[keep]
-            if not len(nxt):
-                break
-            vals, counts = np.unique(nxt, return_counts=True)
-            best = int(np.argmax(counts))
-            if counts[best] < min_share * len(nxt) or (d > 0 and counts[best] < 2 and n < 4):
-                break  # a rare continuation, or a single short-match occurrence past its first token
-            out.append(int(vals[best]))
-            at = at[nxt == vals[best]]
-        return out
+            runs[i] = toks, at[keep]
+            nxts.append(nxt[keep])
+        nxt = np.concatenate(nxts)
+        if not len(nxt):
+            break
+        vals, counts = np.unique(nxt, return_counts=True)
+        best = int(np.argmax(counts))
+        if counts[best] < min_share * len(nxt) or (d > 0 and counts[best] < 2 and n < 4):
+            break  # a rare continuation, or a single short-match occurrence past its first token
+        out.append(int(vals[best]))
+        runs = [(toks, at[toks[at + d] == vals[best]]) for toks, at in runs]
+    return (n if out else 0), out
 
 
-def save_store(store: Datastore, path, tokenizer_hash: str):
-    """Write ``store``'s tokens to an ``.npz`` (atomically), with the hash of the
-    tokenizer they are ids of (``backbone_fingerprint(...)["tokenizer"]``)."""
+def save_store(store: Datastore, path, tokenizer_hash: str) -> Path:
+    """Write ``store``'s tokens to an ``.npz`` (atomically, compressed), with the hash
+    of the tokenizer they are ids of (``backbone_fingerprint(...)["tokenizer"]``)."""
+    return _write_tokens(store.tokens, path, tokenizer_hash, store.max_ngram)
+
+
+def _write_tokens(tokens: np.ndarray, path, tokenizer_hash: str, max_ngram: int) -> Path:
     from .files import atomic_write
 
     def write(tmp):
         with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                tokens=store.tokens,
-                tokenizer=np.array(tokenizer_hash),
-                max_ngram=np.array(store.max_ngram),
+            np.savez_compressed(
+                f, tokens=tokens, tokenizer=np.array(tokenizer_hash), max_ngram=np.array(max_ngram)
             )
 
     return atomic_write(path, write)
+
+
+def read_tokens(path, tokenizer_hash: str | None = None) -> tuple[np.ndarray, int]:
+    """The ``(tokens, max_ngram)`` of a store written by :func:`save_store`.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a readable store, or built for another tokenizer (both named).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: datastore not found")
+    try:
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:  # (numpy leaks a file it opens)
+            tokens, tok, max_ngram = z["tokens"], str(z["tokenizer"]), int(z["max_ngram"])
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: not a readable datastore ({e})") from e
+    if tokens.ndim != 1 or tokens.dtype.kind != "i" or max_ngram < 1:
+        raise ValueError(f"{path}: not a readable datastore (tokens {tokens.dtype} {tokens.shape})")
+    if tokenizer_hash is not None and tok != tokenizer_hash:
+        raise ValueError(
+            f"{path}: a datastore of token ids of tokenizer {tok}, but the model's tokenizer is "
+            f"{tokenizer_hash}; rebuild it for this model"
+        )
+    return tokens.astype(np.int32, copy=False), max_ngram
 
 
 def load_store(path, tokenizer_hash: str | None = None) -> Datastore:
@@ -160,19 +242,172 @@ def load_store(path, tokenizer_hash: str | None = None) -> Datastore:
         FileNotFoundError: no such file.
         ValueError: not a readable store, or built for another tokenizer (both named).
     """
-    from pathlib import Path
+    return Datastore(*read_tokens(path, tokenizer_hash))
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: datastore not found")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            tokens, tok, max_ngram = z["tokens"], str(z["tokenizer"]), int(z["max_ngram"])
-    except (OSError, KeyError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable datastore ({e})") from e
-    if tokenizer_hash is not None and tok != tokenizer_hash:
-        raise ValueError(
-            f"{path}: a datastore of token ids of tokenizer {tok}, but the model's tokenizer is "
-            f"{tokenizer_hash}; rebuild it for this model"
-        )
-    return Datastore(tokens, max_ngram)
+
+def keep_latest(tokens: np.ndarray, max_tokens: int) -> np.ndarray:
+    """The latest whole sequences of ``tokens`` (separated by :data:`SEP`) that fit in
+    ``max_tokens`` (separators included); the tail alone if the last one is longer."""
+    if len(tokens) <= max_tokens:
+        return tokens
+    cut = len(tokens) - max_tokens  # the first index that may be kept
+    seps = np.flatnonzero(tokens[cut - 1 :] == SEP)
+    return tokens[cut + seps[0] :] if len(seps) and cut + seps[0] < len(tokens) else tokens[cut:]
+
+
+STORE_FILE = "datastore.npz"  # beside a heads folder's config.json
+ANSWER_TOKENS = 1 << 20  # this machine's store of a model's answers keeps the latest 1M tokens
+
+
+def learn_setting() -> bool:
+    """Whether the command line drafts from and adds to this machine's store of the
+    model's answers when neither ``--learn`` nor ``--no-learn`` is given: on, unless
+    ``MLX_STREAM_LEARN`` is ``0``, ``off``, ``false`` or ``no``."""
+    return os.environ.get("MLX_STREAM_LEARN", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def answers_path(fingerprint: dict, root: str | Path) -> Path:
+    """Where this machine keeps a model's past answers: ``<root>/answers/<model>.npz``,
+    one file per backbone (``fingerprint``: :func:`mlx_stream.heads.backbone_fingerprint`;
+    ``root``: the cache folder, :func:`mlx_stream.loader.cache_dir`)."""
+    name = f"{fingerprint['architecture']}-{fingerprint['tokenizer']}-{fingerprint['weights']}.npz"
+    return Path(root) / "answers" / name
+
+
+class AnswerStore:
+    """This machine's store of one model's answers, grown by its generations.
+
+    One ``.npz`` file (:func:`save_store`'s format) of the answers' token ids, oldest
+    first, at most ``max_tokens`` of them (the oldest answers are dropped first).
+    Appending reads, extends and rewrites the file atomically under an exclusive lock
+    on ``<file>.lock`` (``fcntl.flock``), so two processes appending at once lose
+    nothing and a reader never sees half a file. A file that cannot be read, or was
+    written for another tokenizer, is moved aside to ``<file>.bad-<time>`` with a
+    warning and the store starts empty. Only what the model wrote is stored, never
+    the prompts.
+
+    Args:
+        path: the file (:func:`answers_path`).
+        tokenizer_hash: the model's tokenizer (``backbone_fingerprint(...)["tokenizer"]``).
+        max_tokens: the bound (>= 1).
+
+    Raises:
+        ValueError: ``max_tokens < 1``.
+    """
+
+    def __init__(self, path: str | Path, tokenizer_hash: str, max_tokens: int = ANSWER_TOKENS):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.path, self.tokenizer_hash, self.max_tokens = Path(path), tokenizer_hash, max_tokens
+
+    @contextmanager
+    def _locked(self):
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _read(self) -> np.ndarray:
+        if not self.path.is_file():
+            return np.zeros(0, np.int32)
+        try:
+            return read_tokens(self.path, self.tokenizer_hash)[0]
+        except ValueError as e:
+            stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            aside = self.path.with_name(f"{self.path.name}.bad-{stamp}")
+            os.replace(self.path, aside)
+            warnings.warn(f"{e}; moved aside to {aside}, starting an empty store", stacklevel=3)
+            return np.zeros(0, np.int32)
+
+    def read(self) -> np.ndarray:
+        """The stored tokens, ``(T,)`` int32, answers separated by :data:`SEP`."""
+        with self._locked():
+            return self._read()
+
+    def append(self, answers: Iterable[Sequence[int]]) -> int:
+        """Add answers (token id lists; empty ones are skipped); returns the tokens now stored."""
+        new = [np.asarray(a, np.int32) for a in answers if len(a)]
+        with self._locked():
+            tokens = self._read()
+            if not new:
+                return int((tokens != SEP).sum())
+            parts = [tokens] + [x for a in new for x in (a, np.array([SEP], np.int32))]
+            tokens = keep_latest(np.concatenate(parts), self.max_tokens)
+            _write_tokens(tokens, self.path, self.tokenizer_hash, 8)
+            return int((tokens != SEP).sum())
+
+    def clear(self) -> bool:
+        """Delete the stored answers; True if there were any."""
+        with self._locked():
+            had = self.path.is_file()
+            if had:
+                self.path.unlink()
+            return had
+
+
+class DraftStore:
+    """The datastore a model drafts from: the store shipped with its heads, this
+    machine's :class:`AnswerStore` of its answers (as read at load), and the answers of
+    this session (:meth:`remember`), looked up as one (:func:`lookup_many`).
+
+    Args:
+        shipped: the heads' :class:`Datastore`, or None.
+        answers: this machine's :class:`AnswerStore`, or None.
+        learn: :meth:`remember` adds answers (to this session's index and the
+            ``answers`` file); False: the stores are read only, as benchmarks need
+            (a measurement must not feed on its own outputs).
+        max_ngram: the longest suffix matched in the answers' and session's indices.
+
+    Attributes:
+        parts: the indices looked up.
+    """
+
+    def __init__(
+        self,
+        shipped: Datastore | None = None,
+        answers: AnswerStore | None = None,
+        learn: bool = True,
+        max_ngram: int = 8,
+    ):
+        self.shipped, self.answers, self.learn, self.max_ngram = shipped, answers, learn, max_ngram
+        self._base = [shipped] if shipped is not None and len(shipped) else []
+        if answers is not None:
+            past = Datastore(answers.read(), max_ngram)
+            if len(past):
+                self._base.append(past)
+        self._session: list[np.ndarray] = []
+        self._recent: Datastore | None = None
+
+    @property
+    def parts(self) -> list[Datastore]:
+        return self._base + ([self._recent] if self._recent is not None else [])
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def lookup(self, context, num_draft: int, min_ngram: int = 2, **kw) -> list[int]:
+        """As :meth:`Datastore.lookup`, over :attr:`parts`."""
+        return lookup_many(self.parts, context, num_draft, min_ngram, **kw)
+
+    def lookup_ngram(self, context, num_draft: int, min_ngram: int = 2, **kw) -> tuple[int, list[int]]:
+        """As :func:`lookup_ngram`, over :attr:`parts`."""
+        return lookup_ngram(self.parts, context, num_draft, min_ngram, **kw)
+
+    def remember(self, answer: Sequence[int]) -> None:
+        """Add one answer's tokens (when ``learn``): drafted from for the rest of the
+        session and appended to the answers file. An unwritable answers file only
+        warns (decoding goes on)."""
+        if not len(answer) or not self.learn:
+            return
+        self._session.append(np.asarray(answer, np.int32))
+        self._recent = Datastore.from_sequences(self._session, self.max_ngram)
+        if self.answers is not None:
+            try:
+                self.answers.append([answer])
+            except OSError as e:
+                warnings.warn(f"{self.answers.path}: could not store this answer ({e})", stacklevel=2)

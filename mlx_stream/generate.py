@@ -670,7 +670,9 @@ def stream_generate(
         tree: the draft tree when drafting with the model's heads
             (:func:`mlx_stream.speculation.resolve_tree`: ``None`` is the tree stored
             with the heads, ``"auto"`` the fastest on this device, or a preset or rank
-            paths); ignored without heads.
+            paths); ignored without heads. ``"budget"``: each step's tree budgeted across
+            the heads, prompt lookup and the datastore
+            (:class:`~mlx_stream.budget.BudgetDrafter`).
         drafter: a custom :class:`~mlx_stream.drafters.Drafter` (overrides ``tree`` and
             ``prompt_lookup``).
         stop: stop string(s); output ends before the first occurrence.
@@ -694,6 +696,10 @@ def stream_generate(
             (:class:`~mlx_stream.drafters.LookupDrafter`, joined to the heads' tree
             whatever adaptive speculation decides for the heads); 0 turns it off;
             None: :data:`~mlx_stream.speculation.PROMPT_LOOKUP` with heads, 0 without.
+            Where the context has no match, ``model.datastore`` (past answers: the
+            heads' store and, if loaded with ``learn``, this machine's) drafts the
+            chain; a finished generation's answer is added to it when it learns
+            (:meth:`~mlx_stream.datastore.DraftStore.remember`).
         top_logprobs: with k > 0 each response's ``top_logprobs`` lists, per emitted
             token, the k most likely tokens at its position with their log-probabilities
             (as ``logprobs``: after the logits processors, before temperature and the
@@ -840,6 +846,8 @@ def stream_generate(
         if reason is not None:
             if in_flight is not None:  # its forward wrote the last token's keys/values
                 cache.tokens.append(step.next_token)
+            if model.datastore is not None:  # the answer joins the store of past answers
+                model.datastore.remember(emitter.tokens)
             yield response
             return
         # the tree may not reach past max_tokens, the context window or the KV settings' limit

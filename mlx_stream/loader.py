@@ -232,9 +232,16 @@ def load(
     model: str | Path = DEFAULT_MODEL,
     heads: str | Path | nn.Module | None = DEFAULT_HEADS,
     dtype: str = "auto",
+    learn: bool | str = False,
 ):
     """Load a backbone and its stream heads: by default the heads shipped for the model
     (speculation on, as the command line); ``heads=None`` for plain decoding.
+
+    The model drafts from a datastore of past answers (``model.datastore``, a
+    :class:`~mlx_stream.datastore.DraftStore`, or None): the one saved beside the heads
+    (``datastore.npz``, the answers they were trained on), plus, with ``learn``,
+    this machine's store of the model's own answers
+    (:func:`~mlx_stream.datastore.answers_path` in :func:`cache_dir`).
 
     Args:
         model: one of the accepted forms: the alias ``smollm2-135m-instruct`` (the
@@ -248,6 +255,10 @@ def load(
             plain decoding through the same loop.
         dtype: ``"auto"`` (float32 on CPU; keep quantised weights on a GPU),
             ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"quantized"``.
+        learn: ``True``: draft from this machine's store of the model's answers and
+            add each generation's answer to it (as ``mlx-stream chat`` and ``generate``
+            do); ``"read"``: draft from it without adding (benchmarks); ``False``
+            (default): leave it alone. Only answers are stored, never prompts.
 
     Returns:
         ``(model, tokenizer)``: a :class:`SpeculativeModel` and mlx-lm's
@@ -256,12 +267,16 @@ def load(
     Raises:
         FileNotFoundError, ValueError: see :func:`resolve_model_path`,
             :func:`cast_backbone` and :func:`mlx_stream.heads.load_heads` (heads
-            trained for another backbone are refused).
+            trained for another backbone are refused); a heads folder's datastore
+            that is unreadable or built for another tokenizer; a bad ``learn``.
     """
+    from .datastore import STORE_FILE, AnswerStore, DraftStore, answers_path, load_store
     from .heads import StreamHeads, backbone_fingerprint, load_heads
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if learn not in (True, False, "read"):
+        raise ValueError(f"learn must be True, False or 'read', got {learn!r}")
     path = resolve_model_path(model)
     try:
         backbone, tokenizer = _load_backbone(path)
@@ -272,13 +287,20 @@ def load(
         raise ValueError(f"{path}: cannot load this model folder ({e}){hint}") from e
     backbone = cast_backbone(backbone, dtype)
     heads = resolve_heads(model, heads)
+    fp = backbone_fingerprint(backbone, tokenizer) if heads is not None or learn else None
+    shipped = None
     if heads is not None and not isinstance(heads, StreamHeads):
-        heads = load_heads(heads, backbone_fingerprint(backbone, tokenizer))
+        if (Path(heads) / STORE_FILE).is_file():
+            shipped = load_store(Path(heads) / STORE_FILE, fp["tokenizer"])
+        heads = load_heads(heads, fp)
     elif isinstance(heads, StreamHeads):
-        fp = backbone_fingerprint(backbone, tokenizer)
         if heads.config.fingerprint and heads.config.fingerprint != fp:
             raise ValueError(
                 f"these heads were trained for backbone {heads.config.fingerprint} but the loaded "
                 f"backbone is {fp}"
             )
-    return SpeculativeModel(backbone, heads), tokenizer
+    sm = SpeculativeModel(backbone, heads)
+    hist = AnswerStore(answers_path(fp, cache_dir()), fp["tokenizer"]) if learn else None
+    if shipped is not None or hist is not None:
+        sm.datastore = DraftStore(shipped, hist, learn=learn is True)
+    return sm, tokenizer

@@ -19,6 +19,9 @@ class SpeculativeModel(nn.Module):
         backbone: the mlx-lm ``Model`` (frozen during head training).
         heads: a :class:`mlx_stream.heads.StreamHeads` or ``None`` (plain decoding).
         family: the tree-forward module of the backbone's architecture.
+        datastore: the :class:`~mlx_stream.datastore.DraftStore` of past answers that
+            prompt lookup's chains also draft from, or ``None``
+            (:func:`mlx_stream.loader.load` sets it).
     """
 
     def __init__(self, backbone: nn.Module, heads: nn.Module | None = None):
@@ -26,6 +29,7 @@ class SpeculativeModel(nn.Module):
         self.backbone = backbone
         self.heads = heads
         self.family = family(backbone)
+        self.datastore = None
 
     def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
         return self.backbone(inputs, cache=cache, **kwargs)

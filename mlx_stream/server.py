@@ -336,7 +336,8 @@ class Engine:
 
     Args:
         model: model spec for :func:`mlx_stream.load`.
-        heads, dtype: as :func:`mlx_stream.load`.
+        heads, dtype, learn: as :func:`mlx_stream.load` (``learn``: answers join
+            this machine's store of the model's answers, which drafts draw on).
         cache_slots: prompt caches kept (conversations whose history is reused).
         generation: fixed keyword arguments of :func:`mlx_stream.stream_generate`
             for every request (``tree``, ``prompt_lookup``).
@@ -346,7 +347,13 @@ class Engine:
     """
 
     def __init__(
-        self, model: str, heads: str = DEFAULT_HEADS, dtype: str = "auto", cache_slots: int = 4, **generation
+        self,
+        model: str,
+        heads: str = DEFAULT_HEADS,
+        dtype: str = "auto",
+        cache_slots: int = 4,
+        learn: bool = False,
+        **generation,
     ):
         if cache_slots < 1:
             raise ValueError(f"cache_slots must be >= 1, got {cache_slots}")
@@ -359,7 +366,7 @@ class Engine:
         ready, failure = threading.Event(), []
         self.thread = threading.Thread(
             target=self._run,
-            args=(model, heads, dtype, ready, failure),
+            args=(model, heads, dtype, learn, ready, failure),
             daemon=True,
             name="mlx-stream-engine",
         )
@@ -375,12 +382,12 @@ class Engine:
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
-    def _run(self, model, heads, dtype, ready, failure):
+    def _run(self, model, heads, dtype, learn, ready, failure):
         from .generate import PromptCache
         from .loader import load
 
         try:
-            self.model, self.tokenizer = load(model, heads=heads, dtype=dtype)
+            self.model, self.tokenizer = load(model, heads=heads, dtype=dtype, learn=learn)
         except Exception as e:  # handed to the constructor, which raises it
             failure.append(e)
             ready.set()
@@ -738,12 +745,13 @@ def serve(
     temp: float = 0.0,
     log_level: str = "info",
     cache_slots: int = 4,
+    learn: bool = False,
     **generation,
 ) -> None:
     """Load ``model`` (with ``heads``) and serve it over HTTP until interrupted.
 
     Args:
-        model, heads, dtype: as :func:`mlx_stream.load`.
+        model, heads, dtype, learn: as :func:`mlx_stream.load`.
         host, port: where to listen (127.0.0.1 by default: this machine only).
         max_tokens, temp: defaults for requests that give none.
         cache_slots: prompt caches kept (:class:`Engine`).
@@ -754,7 +762,7 @@ def serve(
     """
     import uvicorn
 
-    engine = Engine(model, heads=heads, dtype=dtype, cache_slots=cache_slots, **generation)
+    engine = Engine(model, heads=heads, dtype=dtype, cache_slots=cache_slots, learn=learn, **generation)
     app = create_app(engine, model, max_tokens=max_tokens, temp=temp)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .defaults import AUTO_TREE, PROMPT_LOOKUP
+from .defaults import AUTO_TREE, BUDGET_TREE, PROMPT_LOOKUP
 from .drafters import Drafter, DynamicTreeDrafter, EagleDrafter, HeadsDrafter, LookupDrafter, NoDrafter
 from .tree import Tree, no_drafts, parse_tree
 
@@ -16,6 +16,12 @@ TreeSpec = str | Sequence[Sequence[int]] | Tree | None
 def is_auto(spec: TreeSpec) -> bool:
     """Whether ``spec`` asks for the tree measured fastest on this device."""
     return isinstance(spec, str) and spec.strip() == AUTO_TREE
+
+
+def is_budget(spec: TreeSpec) -> bool:
+    """Whether ``spec`` asks for the tree budgeted per step across sources
+    (:class:`~mlx_stream.budget.BudgetDrafter`)."""
+    return isinstance(spec, str) and spec.strip() == BUDGET_TREE
 
 
 def dynamic_spec(spec: TreeSpec) -> tuple[int, int] | None:
@@ -51,7 +57,7 @@ def check_tree_spec(spec: TreeSpec) -> None:
         ValueError: a malformed spec (see :func:`~mlx_stream.tree.parse_tree` and
             :func:`dynamic_spec`).
     """
-    if spec is not None and not is_auto(spec) and dynamic_spec(spec) is None:
+    if spec is not None and not is_auto(spec) and not is_budget(spec) and dynamic_spec(spec) is None:
         parse_tree(spec, 1 << 10)
 
 
@@ -86,7 +92,7 @@ def resolve_tree(model, spec: TreeSpec = None) -> Tree:
     heads = model.heads
     if spec is None and heads is not None and heads.config.tree:
         spec = heads.config.tree
-    if dynamic_spec(spec) is not None:
+    if dynamic_spec(spec) is not None or is_budget(spec):
         raise ValueError(
             f"{spec!r} is a dynamic tree (its shape changes every step): use it with make_drafter or "
             "stream_generate, not as a static tree"
@@ -106,19 +112,30 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None,
 
     Args:
         model: a :class:`~mlx_stream.model.SpeculativeModel`.
-        tree: a tree spec (:func:`resolve_tree`), or ``"dynamic:N[,W]"`` for EAGLE-2's
+        tree: a tree spec (:func:`resolve_tree`), ``"dynamic:N[,W]"`` for EAGLE-2's
             dynamic tree (:class:`~mlx_stream.drafters.DynamicTreeDrafter`, eagle heads
-            only); ignored without heads.
+            only), or ``"budget"``: each step's tree budgeted across the heads' candidate
+            trees, prompt lookup and the datastore by estimated acceptance and this
+            device's measured costs (:class:`~mlx_stream.budget.BudgetDrafter`; the
+            costs are measured once per device and cached); ignored without heads,
+            except ``"budget"``.
         prompt_lookup: the most tokens copied from the context per step
             (:class:`~mlx_stream.drafters.LookupDrafter`); 0 turns it off; ``None``:
             :data:`PROMPT_LOOKUP` with heads, 0 without.
-        store: a :class:`~mlx_stream.datastore.Datastore` whose chains stand in where
-            the context has no match (only with prompt lookup on).
+        store: a :class:`~mlx_stream.datastore.Datastore` (or
+            :class:`~mlx_stream.datastore.DraftStore`) whose chains stand in where the
+            context has no match (only with prompt lookup on); ``None``: the model's
+            own (``model.datastore``: the heads' store and this machine's answers);
+            ``False``: none.
 
     Raises:
         ValueError: a bad tree spec or ``prompt_lookup``, or a dynamic tree without eagle heads.
     """
     check_prompt_lookup(prompt_lookup)
+    if store is None:
+        store = getattr(model, "datastore", None)
+    if is_budget(tree):
+        return _budget_drafter(model, prompt_lookup, store or None)
     if tree is None and model.heads is not None and model.heads.config.tree:
         tree = model.heads.config.tree
     dyn = dynamic_spec(tree) if model.heads is not None else None
@@ -137,4 +154,23 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None,
         drafter = HeadsDrafter(model, resolve_tree(model, tree))
     if prompt_lookup is None:
         prompt_lookup = PROMPT_LOOKUP if model.heads is not None else 0
-    return LookupDrafter(drafter, prompt_lookup, store=store) if prompt_lookup else drafter
+    return LookupDrafter(drafter, prompt_lookup, store=store or None) if prompt_lookup else drafter
+
+
+def _budget_drafter(model, prompt_lookup: int | None, store):
+    from .budget import BudgetDrafter, head_candidates, measure_costs
+
+    heads = model.heads
+    if heads is not None and heads.autoregressive:
+        raise ValueError(
+            "the budgeted tree ('budget') drafts from heads that read one hidden state; these are eagle "
+            "heads: use a static tree or 'dynamic:N'"
+        )
+    if prompt_lookup is None:
+        prompt_lookup = PROMPT_LOOKUP
+    cands = [t for t, _ in head_candidates(heads)] if heads is not None else []
+    base = HeadsDrafter(model, resolve_tree(model, None)) if heads is not None else NoDrafter()
+    costs = measure_costs(model, cands)
+    return BudgetDrafter(
+        model, costs, base, num_draft=max(prompt_lookup, 1), store=store, chains=prompt_lookup > 0
+    )

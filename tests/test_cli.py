@@ -1,6 +1,7 @@
 """The command line, end to end in subprocesses, on the tiny model; packaging."""
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -188,6 +189,19 @@ def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
     search = report["tree_search"]
     cfg = json.loads((out / "heads" / "config.json").read_text())
     assert cfg["tree"] == search["sizes"][str(search["best"])]["tree"]
+    # beside the heads: the datastore of the answers they trained on, for this tokenizer
+    from mlx_stream.datastore import SEP, read_tokens
+    from mlx_stream.loader import load
+
+    m, tok = load(str(tiny_dir), heads=str(out / "heads"), dtype="float32")
+    want = [t for r in rows for t in tok.encode(r["completion"], add_special_tokens=False) + [SEP]]
+    assert (
+        read_tokens(out / "heads" / "datastore.npz")[0].tolist()
+        == want
+        == m.datastore.parts[0].tokens.tolist()
+    )
+    assert report["datastore_tokens"] == len(want) - len(rows)
+    (out / "heads" / "datastore.npz").unlink()  # as if killed before the store was saved
     r = run(*args)
     assert r.returncode == 2 and "--resume" in r.stderr
     r = run(*args, "--resume")  # every stage is found on disk and reused
@@ -226,6 +240,10 @@ def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
         == second["positions_seen_total"]
     )
     assert json.loads((more / "features" / "train" / "meta.json").read_text())["top_k"] == 8
+    # the grown heads' datastore: the first run's answers, then this run's
+    grown = read_tokens(more / "heads" / "datastore.npz")[0].tolist()
+    assert grown[: len(want)] == read_tokens(out / "heads" / "datastore.npz")[0].tolist() == want
+    assert len(grown) > len(want)
 
 
 @pytest.mark.parametrize(
@@ -524,3 +542,30 @@ def test_train_killed_at_any_point_resumes_to_the_same_heads(tiny_dir, tmp_path)
             )
         for f in (out / "data").glob("*.jsonl"):  # whole files only
             [json.loads(line) for line in f.read_text().splitlines()]
+
+
+def test_answers_grow_with_generate_show_add_and_clear(tiny_dir, tmp_path):
+    def cli(*args, **env):
+        e = {**os.environ, "MLX_STREAM_CACHE": str(tmp_path / "cache"), **env}
+        return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=600, env=e)
+
+    gen = ["generate", "--model", str(tiny_dir), "-p", "The quick", "--max-tokens", "6", "--json"]
+    folder = tmp_path / "cache" / "answers"
+    assert cli(*gen, MLX_STREAM_LEARN="0").returncode == 0 and not folder.exists()  # the setting
+    assert cli(*gen, "--no-learn", MLX_STREAM_LEARN="1").returncode == 0 and not folder.exists()
+    r = cli(*gen, MLX_STREAM_LEARN="1")  # on by default
+    assert r.returncode == 0, r.stderr
+    tokens = json.loads(r.stdout)["tokens"]
+    r = cli(*gen, "--learn")
+    assert r.returncode == 0, r.stderr
+    r = cli("answers", "--model", str(tiny_dir))
+    assert r.returncode == 0 and f": 2 answers, {2 * len(tokens)} tokens" in r.stdout, r.stdout + r.stderr
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"prompt": "q", "completion": "heads, trees!"}\n{"prompt": "only a prompt"}\n')
+    r = cli("answers", "--model", str(tiny_dir), "--add", str(data))
+    assert r.returncode == 0 and "added 1 answers" in r.stdout, r.stderr
+    r = cli("answers", "--model", str(tiny_dir), "--add", str(tmp_path / "missing.jsonl"))
+    assert r.returncode == 2 and "file not found" in r.stderr
+    r = cli("answers", "--model", str(tiny_dir), "--clear")
+    assert r.returncode == 0 and "cleared" in r.stdout
+    assert ": 0 answers" in cli("answers", "--model", str(tiny_dir)).stdout

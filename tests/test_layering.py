@@ -43,6 +43,7 @@ LAYERS = [
         {
             "mlx_stream.model",
             "mlx_stream.drafters",
+            "mlx_stream.budget",
             "mlx_stream.speculation",
             "mlx_stream.generate",
             "mlx_stream.chat",

@@ -280,7 +280,8 @@ def test_seeded_speculative_output_is_plain_output(spread, kw):
                 **kw,
             )
             heads, _ = ours(model, tok, ids, 24, seed=seed, logits_processors=procs, tree="0;1;0,0", **kw)
-            assert spec == plain == heads, seed
+            budget, _ = ours(model, tok, ids, 24, seed=seed, logits_processors=procs, tree="budget", **kw)
+            assert spec == plain == heads == budget, seed
             accepted += sum(r.accepted for r in rs)
     finally:
         model.heads = None

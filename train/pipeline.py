@@ -7,6 +7,7 @@ Layout of the output folder::
     features/train, features/valid         the frozen backbone's features (memory-mapped)
     checkpoint/                            the last training checkpoint (removed at the end)
     heads/                                 the trained heads (config.json + heads.safetensors)
+                                           and the datastore of the answers they trained on
     report.json                            settings, timings, held-out accuracy, implied tau
 
 The prompts are split into train and valid first. Self-distilled completions are
@@ -490,6 +491,8 @@ def run(
     done = resume and (out / "heads" / "config.json").is_file() and (out / "report.json").is_file()
     if ranks.broadcast_object(done):
         say(f"{out / 'heads'} is already trained; delete it (and report.json) to train again")
+        if ranks.is_main and not (out / "heads" / "datastore.npz").is_file():  # killed before it was saved
+            write_datastore(out, tokenizer, fp["tokenizer"], init_heads)
         return json.loads((out / "report.json").read_text()) if ranks.is_main else None
     if init is None:
         heads = new_heads(
@@ -531,6 +534,7 @@ def run(
         best = report["tree_search"]["sizes"][report["tree_search"]["best"]]
         _log(f"tree for these heads: {best['tree']} (tau {best['tau']:.2f}, cost {best['cost']:.2f})")
         save_heads(heads, out / "heads", dtype=mx.float16)
+    report["datastore_tokens"] = write_datastore(out, tokenizer, fp["tokenizer"], init_heads)
     report["init_heads"] = str(init_heads) if init_heads is not None else None
     report["positions_seen_total"] = heads.config.trained_positions
     report["positions_seen_before"] = seen_before
@@ -543,6 +547,31 @@ def run(
     report["ranks"] = ranks.size
     write_json(report, out / "report.json")
     return report
+
+
+def write_datastore(
+    out: Path, tokenizer, tokenizer_hash: str, init_heads=None, max_tokens: int = 1 << 21
+) -> int:
+    """Save the answers the heads trained on (``data/train.jsonl``'s completions: the
+    backbone's own, self-distilled, unless ``--no-distill``) as a datastore beside
+    them (``heads/datastore.npz``, :mod:`mlx_stream.datastore`), after the store of
+    ``init_heads`` if that has one, keeping the latest ``max_tokens``. Returns the
+    tokens stored."""
+    from mlx_stream.datastore import SEP, STORE_FILE, Datastore, keep_latest, read_tokens, save_store
+
+    parts = []
+    if init_heads is not None and (Path(init_heads) / STORE_FILE).is_file():
+        parts.append(read_tokens(Path(init_heads) / STORE_FILE, tokenizer_hash)[0])
+    answers = [r["completion"] for r in read_jsonl(out / "data" / "train.jsonl") if r.get("completion")]
+    for a in answers:
+        parts += [
+            np.asarray(tokenizer.encode(a, add_special_tokens=False), np.int32),
+            np.array([SEP], np.int32),
+        ]
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    tokens = keep_latest(tokens, max_tokens)
+    save_store(Datastore(tokens), out / "heads" / STORE_FILE, tokenizer_hash)
+    return int((tokens != SEP).sum())
 
 
 def _rank_run(kwargs: dict) -> None:  # one rank of run(workers=N): a spawned process

@@ -29,6 +29,32 @@ from mlx_stream.prompts import load_spec_bench
 from mlx_stream.train.replay import greedy_outputs, replay_outputs
 
 
+def make_store(spec: str, tok, fp):
+    """``f(heads_folder) -> DraftStore or False`` for a --stores entry."""
+    from mlx_stream.datastore import STORE_FILE, Datastore, DraftStore, load_store
+    from mlx_stream.prompts import read_jsonl
+
+    parts = spec.split("+")
+    if parts == ["none"]:
+        return lambda folder: False
+    seqs = [
+        tok.encode(r["completion"], add_special_tokens=False)
+        for f in parts
+        if f != "heads"
+        for r in read_jsonl(f)
+        if r.get("completion")
+    ]
+    extra = Datastore.from_sequences(seqs) if seqs else None
+
+    def make(folder):
+        shipped = load_store(Path(folder) / STORE_FILE, fp["tokenizer"]) if "heads" in parts else None
+        store = DraftStore(shipped, learn=False, more=[extra] if extra is not None else [])
+        print(f"datastore {spec}: {len(store)} tokens", flush=True)
+        return store
+
+    return make
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -40,10 +66,11 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-lookup", type=int, default=None, help="None: the default (10 with heads)")
     ap.add_argument(
-        "--store",
-        default="",
-        help="comma-separated jsonl files of {prompt, completion}: also replay with a datastore of "
-        "their completions (REST chains where the context has no match)",
+        "--stores",
+        default="none",
+        help="space-separated datastores to replay with: 'none'; 'heads' (the heads folder's "
+        "datastore.npz); jsonl files of {prompt, completion} (their completions); joined with '+', "
+        "e.g. 'none heads heads+runs/b/data/train.jsonl'",
     )
     ap.add_argument(
         "--outputs",
@@ -76,27 +103,16 @@ def main():
     print(f"greedy outputs of {len(items)} prompts in {time.perf_counter() - tic:.0f}s", flush=True)
     if a.only_outputs:
         return
-    stores = {"": None}
-    if a.store:
-        from mlx_stream.datastore import Datastore
-        from mlx_stream.prompts import read_jsonl
-
-        rows = [r for f in a.store.split(",") for r in read_jsonl(f) if r.get("completion")]
-        seqs = [tok.encode(r["completion"], add_special_tokens=False) for r in rows]
-        tic = time.perf_counter()
-        stores[" + store"] = Datastore.from_sequences(seqs)
-        print(
-            f"datastore: {len(stores[' + store'])} tokens of {len(seqs)} answers "
-            f"in {time.perf_counter() - tic:.1f}s"
-        )
+    stores = {spec: make_store(spec, tok, fp) for spec in a.stores.split()}
     results = {}
-    for (name, h), tree, (sname, store) in itertools.product(heads.items(), trees, stores.items()):
+    for (name, h), tree, (sname, make) in itertools.product(heads.items(), trees, stores.items()):
         model.heads = h
         tic = time.perf_counter()
         spec = None if tree == "stored" else tree
+        store = make(resolve_heads(a.model, name))
         rows = replay_outputs(model, items, outputs, a.max_tokens, spec, a.prompt_lookup, store=store)
         res = pool_tau(rows)
-        key = f"{name} | {tree if tree != 'stored' else 'stored: ' + (h.config.tree or 'sparse')}{sname}"
+        key = f"{name} | {tree if tree != 'stored' else 'stored: ' + (h.config.tree or 'sparse')} | {sname}"
         results[key] = {k: v["tau"] for k, v in res.items() if k == "all" or k.startswith("group:")}
         print(f"{key}: tau {results[key]['all']:.3f} ({time.perf_counter() - tic:.0f}s)", flush=True)
     groups = sorted(k for k in next(iter(results.values())) if k.startswith("group:"))

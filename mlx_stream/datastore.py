@@ -362,6 +362,7 @@ class DraftStore:
             ``answers`` file); False: the stores are read only, as benchmarks need
             (a measurement must not feed on its own outputs).
         max_ngram: the longest suffix matched in the answers' and session's indices.
+        more: other indices looked up with these (e.g. a benchmark's store of other answers).
 
     Attributes:
         parts: the indices looked up.
@@ -373,6 +374,7 @@ class DraftStore:
         answers: AnswerStore | None = None,
         learn: bool = True,
         max_ngram: int = 8,
+        more: Sequence[Datastore] = (),
     ):
         self.shipped, self.answers, self.learn, self.max_ngram = shipped, answers, learn, max_ngram
         self._base = [shipped] if shipped is not None and len(shipped) else []
@@ -380,6 +382,7 @@ class DraftStore:
             past = Datastore(answers.read(), max_ngram)
             if len(past):
                 self._base.append(past)
+        self._base += [m for m in more if len(m)]
         self._session: list[np.ndarray] = []
         self._recent: Datastore | None = None
 

@@ -149,7 +149,14 @@ def test_wheel_holds_only_mlx_stream(tmp_path):
     names = zipfile.ZipFile(whl).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"mlx_stream"}
-    for mod in ("cli.py", "heads/__init__.py", "convert/gguf.py", "train/__init__.py", "data/prompts.jsonl"):
+    shipped = "data/heads/smollm2-135m-instruct/"
+    for mod in (
+        "cli.py",
+        "heads/__init__.py",
+        "train/__init__.py",
+        "data/prompts.jsonl",
+        shipped + "datastore.npz",
+    ):
         assert f"mlx_stream/{mod}" in names
 
 

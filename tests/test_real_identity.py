@@ -1,5 +1,6 @@
 """Lossless greedy decoding on the real default model (SmolLM2-135M-Instruct, float32):
-with the shipped trained heads (their own tree), random heads, an untrained EAGLE-style
+with the shipped trained heads (their own tree; with the shipped datastore, and the tree
+budgeted across heads, prompt lookup and the datastore), random heads, an untrained EAGLE-style
 draft layer (a chain and a dynamic tree), an oracle drafter and a drafter wrong at every
 depth, the output equals plain mlx-lm's greedy output token for token, 20 prompts x 128 tokens."""
 
@@ -7,7 +8,9 @@ import pytest
 from helpers import assert_greedy_identical, mlx_lm_greedy, ours
 
 from mlx_stream import OracleDrafter, chain
+from mlx_stream.datastore import STORE_FILE, DraftStore, load_store
 from mlx_stream.heads import new_heads
+from mlx_stream.loader import default_heads_path
 from mlx_stream.prompts import BUILTIN_PROMPTS, load_prompts
 from mlx_stream.tree import sparse
 
@@ -24,7 +27,6 @@ SHIPPED_TREE = "0;1;2;0,0;0,0,0"
 @pytest.fixture(scope="module")
 def shipped_heads(real):
     from mlx_stream.heads import backbone_fingerprint, load_heads
-    from mlx_stream.loader import default_heads_path
 
     model, tok = real
     path = default_heads_path("smollm2-135m-instruct")
@@ -64,6 +66,12 @@ def test_greedy_identity_real(real, shipped_heads, random_heads, eagle_heads, i)
         assert_greedy_identical(model, ids, got, ref)
         print(f"shipped heads: prompt {i} tau {rs[-1].tau:.2f}")  # visible with pytest -s
         assert rs[-1].tau > SHIPPED_MIN_TAU, f"trained heads accept too little: tau {rs[-1].tau:.2f}"
+        # the shipped datastore's chains, and each step's tree budgeted across the three sources
+        model.datastore = DraftStore(load_store(default_heads_path("smollm2-135m-instruct") / STORE_FILE))
+        for tree in (None, "budget"):
+            got, _ = ours(model, tok, ids, MAX_TOKENS, tree=tree)
+            assert_greedy_identical(model, ids, got, ref)
+        model.datastore = None
         model.heads = random_heads
         got, _ = ours(model, tok, ids, MAX_TOKENS, tree=sparse(K))
         assert_greedy_identical(model, ids, got, ref)
@@ -72,7 +80,7 @@ def test_greedy_identity_real(real, shipped_heads, random_heads, eagle_heads, i)
             got, _ = ours(model, tok, ids, MAX_TOKENS, tree=tree, adaptive=False)
             assert_greedy_identical(model, ids, got, ref)
     finally:
-        model.heads = None
+        model.heads = model.datastore = None
     got, rs = ours(model, tok, ids, MAX_TOKENS, drafter=OracleDrafter(len(ids), ref, sparse(K), V))
     assert_greedy_identical(model, ids, got, ref)
     assert rs[-1].tau > 3.0 or len(ref) < MAX_TOKENS

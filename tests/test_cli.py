@@ -153,6 +153,7 @@ def test_wheel_holds_only_mlx_stream(tmp_path):
     for mod in (
         "cli.py",
         "heads/__init__.py",
+        "convert/gguf.py",
         "train/__init__.py",
         "data/prompts.jsonl",
         shipped + "datastore.npz",

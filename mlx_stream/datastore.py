@@ -198,14 +198,16 @@ def save_store(store: Datastore, path, tokenizer_hash: str) -> Path:
     return _write_tokens(store.tokens, path, tokenizer_hash, store.max_ngram)
 
 
-def _write_tokens(tokens: np.ndarray, path, tokenizer_hash: str, max_ngram: int) -> Path:
+def _write_tokens(
+    tokens: np.ndarray, path, tokenizer_hash: str, max_ngram: int, compress: bool = True
+) -> Path:
     from .files import atomic_write
+
+    save = np.savez_compressed if compress else np.savez  # (compressing 1M tokens: ~1 s; not: ~20 ms)
 
     def write(tmp):
         with open(tmp, "wb") as f:
-            np.savez_compressed(
-                f, tokens=tokens, tokenizer=np.array(tokenizer_hash), max_ngram=np.array(max_ngram)
-            )
+            save(f, tokens=tokens, tokenizer=np.array(tokenizer_hash), max_ngram=np.array(max_ngram))
 
     return atomic_write(path, write)
 
@@ -277,8 +279,9 @@ def answers_path(fingerprint: dict, root: str | Path) -> Path:
 class AnswerStore:
     """This machine's store of one model's answers, grown by its generations.
 
-    One ``.npz`` file (:func:`save_store`'s format) of the answers' token ids, oldest
-    first, at most ``max_tokens`` of them (the oldest answers are dropped first).
+    One ``.npz`` file (:func:`save_store`'s format, uncompressed: 4 MB at the 1M-token
+    bound, rewritten in ~20 ms) of the answers' token ids, oldest first, at most
+    ``max_tokens`` of them (the oldest answers are dropped first).
     Appending reads, extends and rewrites the file atomically under an exclusive lock
     on ``<file>.lock`` (``fcntl.flock``), so two processes appending at once lose
     nothing and a reader never sees half a file. A file that cannot be read, or was
@@ -338,7 +341,7 @@ class AnswerStore:
                 return int((tokens != SEP).sum())
             parts = [tokens] + [x for a in new for x in (a, np.array([SEP], np.int32))]
             tokens = keep_latest(np.concatenate(parts), self.max_tokens)
-            _write_tokens(tokens, self.path, self.tokenizer_hash, 8)
+            _write_tokens(tokens, self.path, self.tokenizer_hash, 8, compress=False)
             return int((tokens != SEP).sum())
 
     def clear(self) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,10 @@ def measure_costs(
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # unreadable: measured again and rewritten
+    print(
+        f"measuring this device's forward and drafting costs once (~30 s; cached in {cache_dir})",
+        file=sys.stderr,
+    )
     curve = forward_cost(model, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repeats=5)
     t1 = curve.pop("t1_ms")
     ms = draft_times(model, list(heads_trees), repeats=5) if heads_trees else []

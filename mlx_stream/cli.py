@@ -14,6 +14,7 @@ import inspect
 import json
 import sys
 import typing
+import warnings
 from dataclasses import dataclass
 
 import typer
@@ -260,7 +261,12 @@ def _fail(msg: str):
 def _learn(flag: bool | None) -> bool:
     from mlx_stream.datastore import learn_setting
 
-    return learn_setting() if flag is None else flag
+    if flag is not None:
+        return flag
+    try:
+        return learn_setting()
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _load(model: str, heads: str, dtype: str, learn: bool | str = False):
@@ -876,32 +882,40 @@ def answers_command(
     dtype: str = _DTYPE,
 ):
     """This machine's store of a model's past answers, which drafting draws on: where it
-    is and what it holds; --clear deletes it, --add imports answers. Commands add to it
+    is and how much it holds; --clear deletes it, --add imports answers. Commands add to it
     unless --no-learn or MLX_STREAM_LEARN=0."""
     from mlx_stream.datastore import SEP, AnswerStore, answers_path
     from mlx_stream.heads import backbone_fingerprint
     from mlx_stream.loader import cache_dir
     from mlx_stream.prompts import read_jsonl
 
-    rows = None
+    if clear and add is not None:
+        _fail("--clear and --add do not go together: run them one after the other")
+    texts, skipped = None, 0
     if add is not None:
         try:
-            rows = [r["completion"] for r in read_jsonl(add) if isinstance(r.get("completion"), str)]
+            rows = read_jsonl(add)
         except (ValueError, FileNotFoundError) as e:
             _fail(str(e))
-        if not rows:
-            _fail(f"{add}: no rows with a 'completion' string")
+        texts = [r["completion"] for r in rows if isinstance(r.get("completion"), str) and r["completion"]]
+        skipped = len(rows) - len(texts)
+        if not texts:
+            _fail(f"{add}: no rows with a non-empty 'completion' string")
     m, tok = _load(model, NO_HEADS, dtype)
     fp = backbone_fingerprint(m.backbone, tok)
     store = AnswerStore(answers_path(fp, cache_dir()), fp["tokenizer"])
-    if clear:
-        typer.echo(f"{store.path}: {'cleared' if store.clear() else 'nothing stored'}")
-        return
-    if rows is not None:
-        n = store.append(tok.encode(r, add_special_tokens=False) for r in rows)
-        typer.echo(f"{store.path}: added {len(rows)} answers, {n} tokens stored")
-        return
-    tokens = store.read()
+    try:
+        if clear:
+            typer.echo(f"{store.path}: {'cleared' if store.clear() else 'nothing stored'}")
+            return
+        if texts is not None:
+            seqs = [s for s in (tok.encode(t, add_special_tokens=False) for t in texts) if s]
+            store.append(seqs)
+            note = f" ({skipped} rows without a completion skipped)" if skipped else ""
+            typer.echo(f"{store.path}: added {len(seqs)} answers, {sum(map(len, seqs))} tokens{note}")
+        tokens = store.read()
+    except OSError as e:
+        _fail(f"{store.path}: {e}")
     count = int((tokens == SEP).sum())
     size = store.path.stat().st_size if store.path.is_file() else 0
     typer.echo(
@@ -1020,7 +1034,12 @@ def main() -> None:
     from mlx_stream.env import reexec_with_openblas
 
     reexec_with_openblas()
+    warnings.showwarning = _one_line_warning
     app()
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    typer.echo(f"warning: {message}", err=True)
 
 
 if __name__ == "__main__":

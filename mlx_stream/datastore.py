@@ -217,18 +217,26 @@ def read_tokens(path, tokenizer_hash: str | None = None) -> tuple[np.ndarray, in
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not a readable store, or built for another tokenizer (both named).
+        OSError: the file cannot be opened (permissions, a folder in its place).
+        ValueError: not a store (its content named), or built for another tokenizer.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: datastore not found")
-    try:
-        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:  # (numpy leaks a file it opens)
-            tokens, tok, max_ngram = z["tokens"], str(z["tokenizer"]), int(z["max_ngram"])
-    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise ValueError(f"{path}: not a readable datastore ({e})") from e
-    if tokens.ndim != 1 or tokens.dtype.kind != "i" or max_ngram < 1:
-        raise ValueError(f"{path}: not a readable datastore (tokens {tokens.dtype} {tokens.shape})")
+    with open(path, "rb") as f:  # (opened here: numpy leaks a file it opens itself)
+        try:
+            with np.load(f, allow_pickle=False) as z:
+                tokens, tok, max_ngram = z["tokens"], str(z["tokenizer"]), int(z["max_ngram"])
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise ValueError(
+                f"{path}: not a readable datastore (not an .npz file: {type(e).__name__})"
+            ) from e
+        except KeyError as e:
+            raise ValueError(f"{path}: not a readable datastore (no {e} in it)") from e
+    if tokens.ndim != 1 or tokens.dtype.kind != "i" or (len(tokens) and int(tokens.min()) < SEP):
+        raise ValueError(f"{path}: not a readable datastore (tokens must be a 1-D array of ids >= -1)")
+    if max_ngram < 1:
+        raise ValueError(f"{path}: not a readable datastore (max_ngram {max_ngram} < 1)")
     if tokenizer_hash is not None and tok != tokenizer_hash:
         raise ValueError(
             f"{path}: a datastore of token ids of tokenizer {tok}, but the model's tokenizer is "
@@ -264,8 +272,16 @@ ANSWER_TOKENS = 1 << 20  # this machine's store of a model's answers keeps the l
 def learn_setting() -> bool:
     """Whether the command line drafts from and adds to this machine's store of the
     model's answers when neither ``--learn`` nor ``--no-learn`` is given: on, unless
-    ``MLX_STREAM_LEARN`` is ``0``, ``off``, ``false`` or ``no``."""
-    return os.environ.get("MLX_STREAM_LEARN", "1").strip().lower() not in ("0", "off", "false", "no")
+    ``MLX_STREAM_LEARN`` is ``0``, ``off``, ``false`` or ``no``.
+
+    Raises:
+        ValueError: ``MLX_STREAM_LEARN`` is set to anything else than those or ``1``,
+            ``on``, ``true``, ``yes``.
+    """
+    value = os.environ.get("MLX_STREAM_LEARN", "1").strip().lower()
+    if value not in ("1", "on", "true", "yes", "0", "off", "false", "no"):
+        raise ValueError(f"MLX_STREAM_LEARN={value!r}: use 1/on/true/yes or 0/off/false/no")
+    return value in ("1", "on", "true", "yes")
 
 
 def answers_path(fingerprint: dict, root: str | Path) -> Path:
@@ -284,10 +300,11 @@ class AnswerStore:
     ``max_tokens`` of them (the oldest answers are dropped first).
     Appending reads, extends and rewrites the file atomically under an exclusive lock
     on ``<file>.lock`` (``fcntl.flock``), so two processes appending at once lose
-    nothing and a reader never sees half a file. A file that cannot be read, or was
-    written for another tokenizer, is moved aside to ``<file>.bad-<time>`` with a
-    warning and the store starts empty. Only what the model wrote is stored, never
-    the prompts.
+    nothing and a reader never sees half a file (readers take a shared lock, or none
+    where the folder is read-only). A file that is not a store, or was written for
+    another tokenizer, is moved aside to ``<file>.bad-<time>`` with a warning and the
+    store starts empty; one that cannot be opened (permissions) is left alone and
+    raises ``OSError``. Only what the model wrote is stored, never the prompts.
 
     Args:
         path: the file (:func:`answers_path`).
@@ -296,6 +313,8 @@ class AnswerStore:
 
     Raises:
         ValueError: ``max_tokens < 1``.
+        OSError: from :meth:`read`, :meth:`append`, :meth:`clear`: the file or its
+            folder cannot be read or written.
     """
 
     def __init__(self, path: str | Path, tokenizer_hash: str, max_tokens: int = ANSWER_TOKENS):
@@ -304,12 +323,21 @@ class AnswerStore:
         self.path, self.tokenizer_hash, self.max_tokens = Path(path), tokenizer_hash, max_tokens
 
     @contextmanager
-    def _locked(self):
+    def _locked(self, exclusive: bool = True):
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(self.path.name + ".lock"), "a+b") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+        lock = self.path.with_name(self.path.name + ".lock")
+        try:
+            if exclusive:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(lock, "a+b")
+        except OSError:
+            if exclusive:
+                raise
+            yield  # a read-only folder: nobody can be writing there
+            return
+        with f:
+            fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
                 yield
             finally:
@@ -323,13 +351,17 @@ class AnswerStore:
         except ValueError as e:
             stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
             aside = self.path.with_name(f"{self.path.name}.bad-{stamp}")
-            os.replace(self.path, aside)
-            warnings.warn(f"{e}; moved aside to {aside}, starting an empty store", stacklevel=3)
+            try:
+                os.replace(self.path, aside)
+            except OSError as err:  # a read-only folder: ignored, left where it is
+                warnings.warn(f"{e}; ignored (cannot move it aside: {err})", stacklevel=3)
+            else:
+                warnings.warn(f"{e}; moved aside to {aside}, starting an empty store", stacklevel=3)
             return np.zeros(0, np.int32)
 
     def read(self) -> np.ndarray:
         """The stored tokens, ``(T,)`` int32, answers separated by :data:`SEP`."""
-        with self._locked():
+        with self._locked(exclusive=False):
             return self._read()
 
     def append(self, answers: Iterable[Sequence[int]]) -> int:
@@ -382,7 +414,11 @@ class DraftStore:
         self.shipped, self.answers, self.learn, self.max_ngram = shipped, answers, learn, max_ngram
         self._base = [shipped] if shipped is not None and len(shipped) else []
         if answers is not None:
-            past = Datastore(answers.read(), max_ngram)
+            try:
+                past = Datastore(answers.read(), max_ngram)
+            except OSError as e:  # unreadable (permissions): decoding goes on without it
+                warnings.warn(f"{answers.path}: cannot read the stored answers ({e})", stacklevel=2)
+                past = Datastore(np.zeros(0, np.int32), max_ngram)
             if len(past):
                 self._base.append(past)
         self._base += [m for m in more if len(m)]

@@ -24,7 +24,14 @@ def read_jsonl(path: str | Path) -> list[dict]:
         raise FileNotFoundError(f"{path}: file not found")
     rows = []
     with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+        lines = enumerate(f, 1)
+        while True:
+            try:
+                n, line = next(lines)
+            except StopIteration:
+                break
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
             if not line.strip():
                 continue
             try:

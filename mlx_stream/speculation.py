@@ -58,7 +58,10 @@ def check_tree_spec(spec: TreeSpec) -> None:
             :func:`dynamic_spec`).
     """
     if spec is not None and not is_auto(spec) and not is_budget(spec) and dynamic_spec(spec) is None:
-        parse_tree(spec, 1 << 10)
+        try:
+            parse_tree(spec, 1 << 10)
+        except ValueError as e:
+            raise ValueError(f"{e}; or '{AUTO_TREE}', '{BUDGET_TREE}', 'dynamic:N[,W]'") from None
 
 
 def check_prompt_lookup(prompt_lookup: int | None) -> None:

@@ -571,9 +571,29 @@ def test_answers_grow_with_generate_show_add_and_clear(tiny_dir, tmp_path):
     data = tmp_path / "a.jsonl"
     data.write_text('{"prompt": "q", "completion": "heads, trees!"}\n{"prompt": "only a prompt"}\n')
     r = cli("answers", "--model", str(tiny_dir), "--add", str(data))
-    assert r.returncode == 0 and "added 1 answers" in r.stdout, r.stderr
+    assert r.returncode == 0 and "added 1 answers" in r.stdout and "1 rows without a completion" in r.stdout
     r = cli("answers", "--model", str(tiny_dir), "--add", str(tmp_path / "missing.jsonl"))
     assert r.returncode == 2 and "file not found" in r.stderr
+    r = cli("answers", "--model", str(tiny_dir), "--clear", "--add", str(data))
+    assert r.returncode == 2 and "do not go together" in r.stderr
+    r = cli(*gen, MLX_STREAM_LEARN="maybe")
+    assert r.returncode == 2 and "MLX_STREAM_LEARN='maybe'" in r.stderr
+    (tmp_path / "bytes.jsonl").write_bytes(b"\xfd\xfe{}")
+    r = cli("answers", "--model", str(tiny_dir), "--add", str(tmp_path / "bytes.jsonl"))
+    assert r.returncode == 2 and "bytes.jsonl: not UTF-8 text" in r.stderr
+    # a corrupt store is set aside with a one-line warning; a folder in its place is an error
+    (store,) = folder.glob("*.npz")
+    store.write_bytes(b"garbage")
+    r = cli("answers", "--model", str(tiny_dir))
+    assert r.returncode == 0 and r.stderr.startswith("warning: ") and "moved aside" in r.stderr, r.stderr
+    assert ": 0 answers" in r.stdout and len(list(folder.glob("*.bad-*"))) == 1
+    store.mkdir()
+    r = cli("answers", "--model", str(tiny_dir), "--add", str(data))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and str(store) in r.stderr, r.stderr
+    r = cli(*gen, "--learn")  # decoding goes on; the answer is not stored
+    assert r.returncode == 0 and "could not store this answer" in r.stderr, r.stderr
+    store.rmdir()
+    assert cli("answers", "--model", str(tiny_dir), "--add", str(data)).returncode == 0
     r = cli("answers", "--model", str(tiny_dir), "--clear")
     assert r.returncode == 0 and "cleared" in r.stdout
     assert ": 0 answers" in cli("answers", "--model", str(tiny_dir)).stdout

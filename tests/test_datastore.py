@@ -144,7 +144,10 @@ def test_answer_store_appends_bounds_clears_and_sets_a_bad_file_aside(tmp_path):
     with pytest.warns(UserWarning, match="not a readable datastore"):
         assert h.append([[1, 2]]) == 2
     assert h.read().tolist() == [1, 2, SEP] and len(list(h.path.parent.glob("m.npz.bad-*"))) == 2
-    assert h.clear() and h.read().tolist() == []
+    np.savez(h.path, tokens=np.array([5, -7], np.int32), tokenizer=np.array("tok1"), max_ngram=np.array(8))
+    with pytest.warns(UserWarning, match="ids >= -1"):
+        assert h.read().tolist() == []
+    assert h.append([[3]]) == 1 and h.clear() and h.read().tolist() == []
 
 
 def _append_many(path, who, n):

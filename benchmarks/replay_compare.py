@@ -63,6 +63,11 @@ def main():
     ap.add_argument(
         "--per-group", type=int, default=None, help="first N of each task group (all 480 if unset)"
     )
+    ap.add_argument(
+        "--questions",
+        default=None,
+        help="a Spec-Bench-style question.jsonl ({category, turns}); default: the shipped Spec-Bench",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-lookup", type=int, default=None, help="None: the default (10 with heads)")
     ap.add_argument(
@@ -85,7 +90,7 @@ def main():
     fp = backbone_fingerprint(model.backbone, tok)
     heads = {h: load_heads(resolve_heads(a.model, h), fingerprint=fp) for h in a.heads.split(",")}
     trees = a.trees.split() if a.trees else ["stored"]
-    items = load_spec_bench(None, a.per_group)
+    items = load_spec_bench(a.questions, a.per_group)
     tic = time.perf_counter()
     eagle = any(h.autoregressive for h in heads.values())
     key = {"prompts": [it["prompt"] for it in items], "max_tokens": a.max_tokens}

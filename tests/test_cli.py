@@ -552,6 +552,7 @@ def test_train_killed_at_any_point_resumes_to_the_same_heads(tiny_dir, tmp_path)
             [json.loads(line) for line in f.read_text().splitlines()]
 
 
+@pytest.mark.slow  # eleven commands (~100 s); the store's behaviour is in tests/test_datastore.py
 def test_answers_grow_with_generate_show_add_and_clear(tiny_dir, tmp_path):
     def cli(*args, **env):
         e = {**os.environ, "MLX_STREAM_CACHE": str(tmp_path / "cache"), **env}

@@ -88,9 +88,12 @@ class StepCosts:
     t1_ms: float
     draft_ms: dict[int, float] = field(default_factory=dict)
 
+    def __post_init__(self):
+        self._sizes = sorted(self.curve)
+
     def forward(self, n: int) -> float:
         """c(n), linear between the measured sizes and beyond the largest."""
-        sizes = sorted(self.curve)
+        sizes = self._sizes if len(self._sizes) == len(self.curve) else sorted(self.curve)
         if n <= sizes[0]:
             return self.curve[sizes[0]]
         if n >= sizes[-1]:
@@ -232,6 +235,7 @@ class BudgetDrafter(LookupDrafter):
         self._cal = [1.0, 1.0]
         self._skips = {"context": 0, "store": 0}
         self._plan: dict | None = None
+        self._shapes: dict = {}  # (tree, chain lengths) -> merged shape (_merged)
 
     @property
     def calibration(self) -> float:
@@ -297,28 +301,43 @@ class BudgetDrafter(LookupDrafter):
             h = counts[0]
             drafter = self._heads[h - 1] if h else self.base
             tree, drafts = propose(drafter, hidden, tokens, max_depth, mid, cache, base=h > 0, noise=noise)
-        pieces, groups = [drafts], {"heads": set(range(1, tree.size))}
-        for i, s in enumerate(SOURCES[1:], start=1):
-            if counts[i]:
-                toks = chains[s][1][: counts[i]]
-                tree, take = append_chain(tree, len(toks))
-                mapped = {}
-                for node, j in enumerate(take.tolist(), start=1):
-                    mapped[node] = j
-                prev = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-                pieces = [mx.concatenate([prev, mx.array(toks, dtype=mx.int32)])[mx.array(take)]]
-                n_prev = len(take) - len(toks)
-                # node indices move when the tree is rebuilt: follow each group through take
-                where = {j: node for node, j in mapped.items()}
-                groups = {g: {where[i - 1] for i in nodes} for g, nodes in groups.items()}
-                groups[s] = {node for node, j in mapped.items() if j >= n_prev}
+        lengths = tuple(counts[1:])
+        if any(lengths):
+            tree, take, groups = self._merged(tree, lengths)
+            toks = [t for src, n in zip(SOURCES[1:], lengths) if n for t in chains[src][1][:n]]
+            drafts = mx.concatenate([drafts, mx.array(toks, dtype=mx.int32)])[take]
+        else:
+            groups = {"heads": set(range(1, tree.size))}
         self._plan = {
             "tree": tree,
             "groups": groups,
             "chains": {s: chains[s][0] for s in SOURCES[1:] if counts[SOURCES.index(s)]},
             "heads_value": sum(self.head_values[: counts[0]]) * self.calibration if counts[0] else 0.0,
         }
-        return tree, pieces[0]
+        return tree, drafts
+
+    def _merged(self, tree: Tree, lengths: tuple) -> tuple:
+        # the tree with each source's chain (lengths, in SOURCES order after the heads) under
+        # the root; the indices that put concatenate([tree's drafts, chains...]) in node
+        # order; each source's node indices. Built once per shape (a handful per tree).
+        key = (tree, lengths)
+        if key not in self._shapes:
+            if len(self._shapes) >= 4096:
+                self._shapes.clear()
+            index = list(range(tree.size - 1))  # node i + 1 -> its draft in the concatenation
+            groups, offset = {"heads": set(range(1, tree.size))}, tree.size - 1
+            for src, n in zip(SOURCES[1:], lengths):
+                if not n:
+                    continue
+                tree, take = append_chain(tree, n)
+                take = take.tolist()
+                where = {j: node for node, j in enumerate(take, start=1)}  # old draft j -> new node
+                groups = {g: {where[i - 1] for i in nodes} for g, nodes in groups.items()}
+                groups[src] = {node for node, j in enumerate(take, start=1) if j >= len(index)}
+                index = [index[j] if j < len(index) else offset + j - len(index) for j in take]
+                offset += n
+            self._shapes[key] = tree, mx.array(index, dtype=mx.int32), groups
+        return self._shapes[key]
 
     def observe(self, tree: Tree, tokens, emitted) -> None:
         """Learn from a verified step: each chain's accepted tokens, and the heads'."""

@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .drafters import HeadsDrafter, LookupDrafter, NoDrafter, propose
+from .drafters import HeadsDrafter, LookupDrafter, NoDrafter, accepted_nodes, propose
 from .lookup import append_chain, lookup_length, match_suffix
 from .tree import Tree, parse_tree
 
@@ -344,15 +344,11 @@ class BudgetDrafter(LookupDrafter):
         plan, self._plan = self._plan, None
         if plan is None or plan["tree"] is not tree:
             return
-        ok = [True] + [False] * (tree.size - 1)
         deepest = dict.fromkeys(plan["groups"], 0)
-        for i in range(1, tree.size):
-            d = int(tree.depths[i])
-            ok[i] = ok[int(tree.parents[i])] and d <= len(emitted) and int(tokens[i]) == int(emitted[d - 1])
-            if ok[i]:
-                for g, nodes in plan["groups"].items():
-                    if i in nodes:
-                        deepest[g] = max(deepest[g], d)
+        for i in accepted_nodes(tree, tokens, emitted):
+            for g, nodes in plan["groups"].items():
+                if i in nodes:
+                    deepest[g] = max(deepest[g], int(tree.depths[i]))
         w = 1.0 - self.decay
         for s, n in plan["chains"].items():
             length = len(plan["groups"][s])

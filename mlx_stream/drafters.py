@@ -614,14 +614,10 @@ class LookupDrafter:
             return
         chain_nodes = self._pending[1]
         # a node is accepted when its path spells a prefix of the emitted tokens
-        ok = [True] + [False] * (tree.size - 1)
         best = {True: 0, False: 0}  # deepest accepted chain node / base node
-        for i in range(1, tree.size):
-            d = int(tree.depths[i])
-            ok[i] = ok[int(tree.parents[i])] and d <= len(emitted) and int(tokens[i]) == int(emitted[d - 1])
-            if ok[i]:
-                key = i in chain_nodes
-                best[key] = max(best[key], d)
+        for i in accepted_nodes(tree, tokens, emitted):
+            key = i in chain_nodes
+            best[key] = max(best[key], int(tree.depths[i]))
         gain = max(best[True] - best[False], 0) / len(chain_nodes)
         source = self._pending[2]
         self.rates[source] += self.decay * (gain - self.rates[source])
@@ -678,6 +674,17 @@ class LookupDrafter:
         merged, take, grafted = self._trees[key]
         self._pending = (merged, grafted, source)
         return merged, mx.concatenate([drafts, mx.array(chain_, dtype=mx.int32)])[take]
+
+
+def accepted_nodes(tree: Tree, tokens: Sequence[int], emitted: Sequence[int]) -> list[int]:
+    """The non-root nodes of a verified ``tree`` whose path spells a prefix of ``emitted``
+    (the step's accepted drafts, then the target's next token); ``tokens``: the ``N`` node
+    tokens, root first."""
+    ok = [True] + [False] * (tree.size - 1)
+    for i in range(1, tree.size):
+        d = int(tree.depths[i])
+        ok[i] = ok[int(tree.parents[i])] and d <= len(emitted) and int(tokens[i]) == int(emitted[d - 1])
+    return [i for i in range(1, tree.size) if ok[i]]
 
 
 def propose(

@@ -8,8 +8,9 @@ tokens (node k worth p^k, p the source's measured per-token acceptance after a
 match of that length). The step drafts the nodes that maximise expected tokens per
 unit of time, ``(1 + sum of the chosen values) / cost``, where the cost is this
 device's measured forward cost c(N) for N nodes plus the heads' drafting time
-(:func:`measure_costs`): the budget N follows from the device's c(N) instead of a
-fixed tree (EAGLE-2, Li et al. 2024, expands a draft tree by estimated acceptance;
+(:func:`measure_costs`), scaled by what drafting steps are measured to cost while
+decoding (:meth:`BudgetDrafter.observe_time`): the budget N follows from the device's
+c(N) instead of a fixed tree (EAGLE-2, Li et al. 2024, expands a draft tree by estimated acceptance;
 Sequoia, Chen et al. 2024, sizes a tree to the hardware; here the candidates come
 from three sources at once).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -189,7 +191,13 @@ class BudgetDrafter(LookupDrafter):
     per-token acceptance p by source and match length (node k is worth p^k), and the
     ratio of the tokens the heads' nodes gave to what their values predicted. A source
     that the budget leaves out is still drafted (two nodes) every ``explore_every``-th
-    time it has a chain, so its estimate can recover.
+    time it has a chain, so its estimate can recover. Costs are learned too
+    (:meth:`observe_time`): the step costs are scaled by :attr:`cost_scale`, the
+    measured time of drafting steps over what :class:`StepCosts` predicted for them
+    (host work per node, verification and cache compaction are not in c(N), and plain
+    steps are queued ahead while drafting steps are not), relative to the measured time
+    of plain steps; old drafting times are forgotten while only plain steps run, so
+    drafting is tried again.
 
     Args:
         model: a :class:`~mlx_stream.model.SpeculativeModel` (heads optional).
@@ -236,6 +244,31 @@ class BudgetDrafter(LookupDrafter):
         self._skips = {"context": 0, "store": 0}
         self._plan: dict | None = None
         self._shapes: dict = {}  # (tree, chain lengths) -> merged shape (_merged)
+        self._plain_s: list[float] = []  # the latest plain steps' wall times (s)
+        self._draft_s: list[tuple[float, float]] = []  # the latest drafting steps': (s, predicted cost)
+        self._plain_run = 0  # plain steps since the last drafting step
+
+    @property
+    def cost_scale(self) -> float:
+        """Measured drafting steps' time over their predicted relative cost times the
+        plain step's time (medians of the latest 16; 1.0 until 4 drafting steps were
+        timed; clipped to [0.5, 3])."""
+        if len(self._draft_s) < 4:
+            return 1.0
+        t1 = statistics.median(self._plain_s) if len(self._plain_s) >= 3 else self.costs.t1_ms / 1e3
+        return min(max(statistics.median(s / c for s, c in self._draft_s) / t1, 0.5), 3.0)
+
+    def observe_time(self, size: int, seconds: float) -> None:
+        """Learn from a timed step: ``size`` its tree's nodes (1: plain), ``seconds`` its
+        wall time."""
+        if size == 1:
+            self._plain_s = (self._plain_s + [seconds])[-16:]
+            self._plain_run += 1
+            if self._plain_run % 32 == 0 and self._draft_s:  # drafting left off: forget its oldest time
+                self._draft_s.pop(0)
+        elif self._plan is not None and self._plan["tree"].size == size:
+            self._draft_s = (self._draft_s + [(seconds, self._plan["cost"])])[-16:]
+            self._plain_run = 0
 
     @property
     def calibration(self) -> float:
@@ -269,7 +302,8 @@ class BudgetDrafter(LookupDrafter):
                 values.append(list(p ** np.arange(1, len(chains[s][1]) + 1)))
             else:
                 values.append([])
-        counts = plan_budget(values, self.costs.step)
+        scale = self.cost_scale
+        counts = plan_budget(values, lambda c: self.costs.step(c) * (scale if any(c) else 1.0))
         for i, s in enumerate(SOURCES[1:], start=1):
             if s in chains and counts[i] == 0:
                 if self._skips[s] + 1 >= self.explore_every:
@@ -296,11 +330,13 @@ class BudgetDrafter(LookupDrafter):
         if use_heads and not self._heads:  # heads without candidate trees: their configured tree
             tree, drafts = propose(self.base, hidden, tokens, max_depth, mid, cache, base=True, noise=noise)
             counts = [0] + self._counts(chains, heads=False, count_skips=True)[1:]
+            cost = self.costs.forward(tree.size + sum(counts))
         else:
             counts = self._counts(chains, heads=use_heads, count_skips=True)
             h = counts[0]
             drafter = self._heads[h - 1] if h else self.base
             tree, drafts = propose(drafter, hidden, tokens, max_depth, mid, cache, base=h > 0, noise=noise)
+            cost = self.costs.step(counts)
         lengths = tuple(counts[1:])
         if any(lengths):
             tree, take, groups = self._merged(tree, lengths)
@@ -313,6 +349,7 @@ class BudgetDrafter(LookupDrafter):
             "groups": groups,
             "chains": {s: chains[s][0] for s in SOURCES[1:] if counts[SOURCES.index(s)]},
             "heads_value": sum(self.head_values[: counts[0]]) * self.calibration if counts[0] else 0.0,
+            "cost": cost,
         }
         return tree, drafts
 

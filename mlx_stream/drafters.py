@@ -88,6 +88,15 @@ class AcceptanceObserver(Protocol):
     def observe(self, tree: Tree, tokens: Sequence[int], emitted: Sequence[int]) -> None: ...
 
 
+@runtime_checkable
+class StepTimer(Protocol):
+    """A drafter that learns what steps cost (optional): before :meth:`AcceptanceObserver.observe`
+    the loop reports each timed step's tree size (1: a plain step) and its wall time in
+    seconds, from the end of the step before, the caller's time left out."""
+
+    def observe_time(self, size: int, seconds: float) -> None: ...
+
+
 class NoDrafter:
     """Drafts nothing: one token per forward pass (plain decoding, same loop)."""
 

@@ -29,7 +29,7 @@ from .cache import (
     quantize_cache,
     trim_cache,
 )
-from .drafters import AcceptanceObserver, Drafter, LookupDrafter, NoDrafter, TreeProposer, propose
+from .drafters import AcceptanceObserver, Drafter, LookupDrafter, NoDrafter, StepTimer, TreeProposer, propose
 from .sampling import DraftNoise, GumbelNoise, LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
 from .tree import Tree, no_drafts
@@ -869,9 +869,11 @@ def stream_generate(
                 step = _decode_step(model, cache, drafter, verify, tokens, step, tree, drafts, kv)
                 end = time.perf_counter()
                 static = drafter.tree.truncate(depth).size if drafts_on else 1
+                # a step's time: from the step before's end, the caller's time left out
                 if policy is not None and depth >= 1 and step.tree.size == static:  # steps without a chain
-                    # a step's time: from the step before's end, the caller's time left out
                     policy.observe(static > 1, end - last_end - paused, len(step.path))
+                if isinstance(drafter, StepTimer):
+                    drafter.observe_time(step.tree.size, end - last_end - paused)
                 last_end = end
                 if isinstance(drafter, AcceptanceObserver):  # learns from what was accepted (prompt lookup)
                     drafter.observe(step.tree, step.node_tokens, step.emitted)
@@ -902,6 +904,8 @@ def stream_generate(
         end = time.perf_counter()
         if policy is not None and in_flight.allowed:
             policy.observe(False, end - last_end - paused, 1)
+        if isinstance(drafter, StepTimer):
+            drafter.observe_time(1, end - last_end - paused)
         last_end = end
         in_flight = ahead
         n_fwd += 1

@@ -272,6 +272,10 @@ def run_chat(
         settings = describe_settings(getattr(session, "generation", {}))
     settings = settings.rstrip(". ")
     mode = "stream heads" if getattr(session.model, "heads", None) is not None else "plain decoding"
+    if getattr(getattr(session.model, "datastore", None), "learn", False):
+        mode += (
+            "; its answers are kept to draft from: --no-learn to stop, `mlx-stream answers --clear` to forget"
+        )
     with contextlib.ExitStack() as stack:
         editing = False
         if terminal:

@@ -120,3 +120,26 @@ def test_budget_proposes_both_chains_and_learns_their_acceptance(budget_model):
     dear = BudgetDrafter(model, StepCosts({1: 1.0, 2: 1.9, 32: 31.0}, 10.0), make_drafter(model, "0", 0))
     tree, _ = dear.propose(hidden, [1, 2, 3], max_depth=8)
     assert tree.size == 1
+
+
+def test_budget_learns_what_steps_cost_and_tries_drafting_again(budget_model):
+    import mlx.core as mx
+
+    from mlx_stream.speculation import make_drafter
+
+    model, tok = budget_model
+    costs = StepCosts({1: 1.0, 2: 1.05, 32: 2.0}, t1_ms=10.0)
+    d = BudgetDrafter(model, costs, make_drafter(model, "0", 0))
+    hidden, ctx = mx.zeros((model.args.hidden_size,)), [1, 2, 3]
+    assert d.propose(hidden, ctx, max_depth=8)[0].size == 4  # the heads' three nodes pay at these costs
+    assert d.cost_scale == 1.0
+    for _ in range(3):
+        d.observe_time(1, 0.020)  # plain steps take 20 ms
+    for _ in range(4):  # drafting steps take 3x what c(N) predicts
+        tree, _ = d.propose(hidden, ctx, max_depth=8)
+        d.observe_time(tree.size, 0.060 * costs.forward(tree.size))
+    assert d.cost_scale == pytest.approx(3.0)
+    assert d.propose(hidden, ctx, max_depth=8)[0].size == 1  # nothing pays now
+    for _ in range(4 * 32):  # plain steps only: the drafting times are forgotten one by one
+        d.observe_time(1, 0.020)
+    assert d.cost_scale == 1.0 and d.propose(hidden, ctx, max_depth=8)[0].size == 4

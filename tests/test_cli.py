@@ -161,6 +161,7 @@ def test_wheel_holds_only_mlx_stream(tmp_path):
         assert f"mlx_stream/{mod}" in names
 
 
+@pytest.mark.slow  # ~90 s; the pipeline's stages and resume are also tested in test_train.py
 def test_train_end_to_end_and_resume(tiny_dir, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(

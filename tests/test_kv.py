@@ -157,7 +157,8 @@ def _chat_ids(tok, text):
 REAL_PROMPT = "Write a long story about a lighthouse keeper and a storm, with many details."
 
 
-@pytest.mark.parametrize("window", [64, pytest.param(256, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the tiny-model tests above run in the quick tier
+@pytest.mark.parametrize("window", [64, 256])
 def test_real_model_max_kv_size_equals_mlx_lm(real_heads, window):
     model, tok = real_heads
     ids = _chat_ids(tok, REAL_PROMPT)
@@ -171,7 +172,8 @@ def test_real_model_max_kv_size_equals_mlx_lm(real_heads, window):
     assert rs[-1].tau > 1.0  # drafting stayed on
 
 
-@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [8, 4])
 def test_real_model_kv_bits_equals_mlx_lm(real_heads, bits):
     model, tok = real_heads
     ids = _chat_ids(tok, REAL_PROMPT)

@@ -63,6 +63,20 @@ def test_banner_states_the_settings_and_eof_exits(session):
     assert err == "" and read.asked == 1 and session.messages == []
 
 
+def test_banner_says_when_answers_are_kept(session):
+    from mlx_stream.datastore import DraftStore
+
+    try:
+        session.model.datastore = DraftStore(learn=True)
+        out, _, _ = chat(session)
+        assert "answers are kept to draft from: --no-learn to stop" in out.splitlines()[0]
+        session.model.datastore = DraftStore(learn=False)
+        out, _, _ = chat(session)
+        assert out.startswith("mlx-stream chat: tiny (plain decoding).\n")
+    finally:
+        session.model.datastore = None
+
+
 def test_help_lists_the_commands_and_sends_nothing(session):
     out, err, _ = chat(session, "/help", "  /HELP  ")
     for cmd in ("/help", "/reset", "/exit", "//text"):

@@ -357,6 +357,7 @@ def test_parse_request_defaults_and_aliases():
         parse_request({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "chat", "m", d)
 
 
+@pytest.mark.slow  # the tiny-model tests above stream the same way
 def test_real_model_streamed_greedy_text_equals_generate(real):
     from mlx_stream import generate
 

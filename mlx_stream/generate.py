@@ -869,11 +869,11 @@ def stream_generate(
                 step = _decode_step(model, cache, drafter, verify, tokens, step, tree, drafts, kv)
                 end = time.perf_counter()
                 static = drafter.tree.truncate(depth).size if drafts_on else 1
-                # a step's time: from the step before's end, the caller's time left out
+                took = end - last_end - paused  # from the step before's end, the caller's time left out
                 if policy is not None and depth >= 1 and step.tree.size == static:  # steps without a chain
-                    policy.observe(static > 1, end - last_end - paused, len(step.path))
+                    policy.observe(static > 1, took, len(step.path))
                 if isinstance(drafter, StepTimer):
-                    drafter.observe_time(step.tree.size, end - last_end - paused)
+                    drafter.observe_time(step.tree.size, took)
                 last_end = end
                 if isinstance(drafter, AcceptanceObserver):  # learns from what was accepted (prompt lookup)
                     drafter.observe(step.tree, step.node_tokens, step.emitted)
@@ -902,10 +902,11 @@ def stream_generate(
         paused = time.perf_counter() - paused
         step = _finish_plain(in_flight, cache, verify)
         end = time.perf_counter()
+        took = end - last_end - paused
         if policy is not None and in_flight.allowed:
-            policy.observe(False, end - last_end - paused, 1)
+            policy.observe(False, took, 1)
         if isinstance(drafter, StepTimer):
-            drafter.observe_time(1, end - last_end - paused)
+            drafter.observe_time(1, took)
         last_end = end
         in_flight = ahead
         n_fwd += 1

@@ -32,6 +32,7 @@ from mlx_stream.heads import load_heads, new_heads, save_heads
 from mlx_stream.loader import load
 from mlx_stream.prompts import read_jsonl
 from mlx_stream.train.eagle import EagleSequence, evaluate_eagle, train_eagle
+from mlx_stream.train.eagle import sequence_features as eagle_features
 from mlx_stream.train.features import FeatureCache, targets_for
 from mlx_stream.train.pipeline import choose_draft_vocab
 from mlx_stream.train.streams import StreamSequence, sequence_features, stream_ranks, train_stream_heads
@@ -62,7 +63,9 @@ def advance(model, seqs, layer, n):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--run", default="runs/smollm2-135m-instruct", help="a finished `mlx-stream train` folder"
+        "--run",
+        default="runs/smollm2-135m-instruct",
+        help="a finished `mlx-stream train` folder (or several, comma-separated: their rows in order)",
     )
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--sequences", type=int, default=300, help="training sequences used (the first N)")
@@ -75,6 +78,7 @@ def main():
         "--archs",
         default="residual,hydra,msa",
         help="any of residual, hydra, msa, eagle (draft layer copied from the top layer), eagle-random, "
+        "eagle3 (eagle on EAGLE-3's fused features: --fuse-layers), "
         "streamsN (trainable stream layers: the streams run through trainable copies of the top N layers)",
     )
     ap.add_argument("--stream-lr", type=float, default=1e-3, help="msa / streamsN learning rate")
@@ -84,6 +88,11 @@ def main():
     ap.add_argument("--eagle-tokens", type=int, default=4096, help="eagle: padded tokens per optimizer step")
     ap.add_argument("--eagle-warmup", type=int, default=50, help="eagle: warm-up steps")
     ap.add_argument("--eagle-reg", type=float, default=1.0, help="eagle: weight of the feature regression")
+    ap.add_argument(
+        "--fuse-layers",
+        default="2,15",
+        help="eagle3: the layers whose inputs are fused with the final feature",
+    )
     ap.add_argument(
         "--features-cache",
         default="",
@@ -104,25 +113,42 @@ def main():
     archs = a.archs.split(",")
     depth = {arch: int(arch[7:]) if arch.startswith("streams") else a.stream_layers for arch in archs}
     K, layer = a.num_heads, len(model.backbone.layers) - max(depth.values())
-    run = Path(a.run)
+    runs = [Path(r) for r in a.run.split(",")]
+    fuse = [int(n) for n in a.fuse_layers.split(",")] if "eagle3" in archs else []
+    attending = any(arch == "msa" or arch.startswith("streams") for arch in archs)
     tic = time.perf_counter()
-    key = (str(run.resolve()), a.sequences, a.valid_sequences, layer, a.model)
+    key = (
+        tuple(str(r.resolve()) for r in runs),
+        a.sequences,
+        a.valid_sequences,
+        layer,
+        a.model,
+        fuse,
+        attending,
+    )
     cached = Path(a.features_cache) if a.features_cache else None
+    rows = {
+        n: [r for run in runs for r in read_jsonl(run / "data" / f"{n}.jsonl")] for n in ("train", "valid")
+    }
+    rows = {"train": rows["train"][: a.sequences], "valid": rows["valid"][: a.valid_sequences]}
     if cached and cached.is_file() and pickle.loads(cached.read_bytes())["key"] == key:
         got = pickle.loads(cached.read_bytes())
         tr_seqs, tr_fin, va_seqs, va_fin = got["tr"], got["tr_fin"], got["va"], got["va_fin"]
     else:
-        tr_seqs, tr_fin = sequence_features(
-            model, tok, read_jsonl(run / "data" / "train.jsonl")[: a.sequences], layer
-        )
-        va_seqs, va_fin = sequence_features(
-            model, tok, read_jsonl(run / "data" / "valid.jsonl")[: a.valid_sequences], layer
-        )
+        if attending:  # the hidden states entering the stream layers, and the final ones
+            tr_seqs, tr_fin = sequence_features(model, tok, rows["train"], layer)
+            va_seqs, va_fin = sequence_features(model, tok, rows["valid"], layer)
+        else:  # batched; with eagle3 every position also keeps the fused layers' inputs
+            tr_seqs = eagle_features(model, tok, rows["train"], fuse_layers=fuse)
+            va_seqs = eagle_features(model, tok, rows["valid"], fuse_layers=fuse)
+            tr_fin, va_fin = [s.feats for s in tr_seqs], [s.feats for s in va_seqs]
         if cached:
             blob = {"key": key, "tr": tr_seqs, "tr_fin": tr_fin, "va": va_seqs, "va_fin": va_fin}
             tmp = cached.with_suffix(".tmp")
             tmp.write_bytes(pickle.dumps(blob))
             tmp.replace(cached)
+    H = model.backbone.args.hidden_size
+    tr_fin, va_fin = [f[:, :H] for f in tr_fin], [f[:, :H] for f in va_fin]
     tr, va = position_cache(tr_seqs, tr_fin, K), position_cache(va_seqs, va_fin, K)
     print(
         f"features: {len(tr)} training / {len(va)} held-out positions in {time.perf_counter() - tic:.0f}s",
@@ -132,19 +158,29 @@ def main():
     ids = mx.array(ids)
     valid = np.asarray(va.targets[:, 1 : K + 1]) >= 0
     results = {}
-    eagle_tr = [EagleSequence(s.ids, max(s.start, 1), f[:-1]) for s, f in zip(tr_seqs, tr_fin)]
-    eagle_va = [EagleSequence(s.ids, max(s.start, 1), f[:-1]) for s, f in zip(va_seqs, va_fin)]
+    n_feat = len(tr_fin[0]) - len(tr_seqs[0].ids) + 1  # 1: finals of every position; 0: all but the last
+    eagle_tr = [EagleSequence(s.ids, max(s.start, 1), f[: len(f) - n_feat]) for s, f in zip(tr_seqs, tr_fin)]
+    eagle_va = [EagleSequence(s.ids, max(s.start, 1), f[: len(f) - n_feat]) for s, f in zip(va_seqs, va_fin)]
+    if fuse:
+        fused_tr = [EagleSequence(s.ids, max(s.start, 1), s.feats) for s in tr_seqs]
+        fused_va = [EagleSequence(s.ids, max(s.start, 1), s.feats) for s in va_seqs]
     for arch in archs:
         heads = new_heads(
             model.backbone,
             tok,
             K,
             draft_ids=ids,
-            architecture="msa" if arch.startswith("streams") else arch.split("-")[0],
+            architecture="msa"
+            if arch.startswith("streams")
+            else "eagle"
+            if arch == "eagle3"
+            else arch.split("-")[0],
             stream_layers=depth[arch],
             copy_top_layer=arch != "eagle-random",
             stream_copies=arch.startswith("streams"),
+            fuse_layers=fuse if arch == "eagle3" else (),
         )
+        seq_tr, seq_va = (fused_tr, fused_va) if arch == "eagle3" else (eagle_tr, eagle_va)
         reuse = a.reuse and a.save and (Path(a.save) / arch / "config.json").is_file()
         if reuse:  # evaluate the heads saved by an earlier run instead of training again
             heads = load_heads(Path(a.save) / arch)
@@ -157,7 +193,7 @@ def main():
             rep = {"positions_per_s": old.get("positions_per_s", float("nan"))}
             speed = rep["positions_per_s"]
             if arch.startswith("eagle"):
-                top = evaluate_eagle(model, heads, eagle_va, K)
+                top = evaluate_eagle(model, heads, seq_va, K)
                 ranks = top[2]
             elif arch == "msa" or arch.startswith("streams"):
                 skip = max(depth.values()) - depth[arch]
@@ -168,7 +204,7 @@ def main():
             rep = train_eagle(
                 model,
                 heads,
-                eagle_tr,
+                seq_tr,
                 epochs=a.epochs,
                 lr=a.eagle_lr,
                 steps=a.eagle_steps,
@@ -178,7 +214,7 @@ def main():
                 log=print,
             )
             speed = rep["positions_per_s"]
-            top = evaluate_eagle(model, heads, eagle_va, K)
+            top = evaluate_eagle(model, heads, seq_va, K)
             ranks = top[2]
         elif arch == "msa" or arch.startswith("streams"):
             skip = max(depth.values()) - depth[arch]  # frozen layers between the captured input and this N_s

@@ -46,6 +46,9 @@ class HeadConfig:
             layer (the stream layers), a decoder layer like the backbone's
             (``{"model_type", "args"}``, :func:`mlx_stream.heads.eagle.layer_spec`);
             ``num_heads`` is then the deepest draft.
+        fuse_layers: "eagle" only: the backbone layers whose input hidden states are
+            fused with the final hidden state into the draft layer's feature (EAGLE-3's
+            low and middle features, Li et al. 2025); empty: the final hidden state alone.
         trained_positions: training positions the heads have seen, summed over every
             run that trained them (an epoch counts each position once more);
             continued training (``mlx-stream train --init-heads``) adds to it.
@@ -65,6 +68,7 @@ class HeadConfig:
     trained_positions: int = 0
     layer_spec: dict = field(default_factory=dict)
     stream_copies: bool = False
+    fuse_layers: list = field(default_factory=list)
 
     def __post_init__(self):
         if self.num_layers < 1:
@@ -78,6 +82,8 @@ class HeadConfig:
             )
         if self.architecture == "eagle" and not self.layer_spec:
             raise ValueError("eagle heads need layer_spec (the draft layer's model_type and args)")
+        if self.fuse_layers and self.architecture != "eagle":
+            raise ValueError("fuse_layers applies to eagle heads only")
         if self.stream_copies and (self.architecture != "msa" or not self.layer_spec):
             raise ValueError(
                 "stream_copies applies to msa heads and needs layer_spec "

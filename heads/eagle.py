@@ -49,20 +49,40 @@ def build_layer(spec: dict) -> nn.Module:
 
 class EagleDraft(nn.Module):
     """The draft layer's weights: ``fc`` (2H -> H), ``layer`` (a decoder layer),
-    ``norm`` (RMSNorm of its output, the predicted feature)."""
+    ``norm`` (RMSNorm of its output, the predicted feature) and, with ``fused > 0``
+    (EAGLE-3's fused features, Li et al. 2025, sec. 3.1), ``fuse`` ((1 + fused)H -> H)
+    with an RMSNorm per fused layer: the backbone's feature at i is then the final
+    hidden state concatenated with the hidden states entering ``fused`` lower layers,
+    ``(N, (1 + fused) H)``, fused to H before it enters ``fc``; the layer's own
+    predictions (drafting) are H wide and skip the fusion."""
 
-    def __init__(self, hidden_size: int, spec: dict):
+    def __init__(self, hidden_size: int, spec: dict, fused: int = 0):
         super().__init__()
+        eps = float(spec["args"].get("rms_norm_eps", 1e-5))
         self.fc = nn.Linear(2 * hidden_size, hidden_size)
         self.layer = build_layer(spec)
-        self.norm = nn.RMSNorm(hidden_size, eps=float(spec["args"].get("rms_norm_eps", 1e-5)))
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        if fused:
+            self.fuse_norms = [nn.RMSNorm(hidden_size, eps=eps) for _ in range(fused)]
+            self.fuse = nn.Linear((1 + fused) * hidden_size, hidden_size, bias=False)
+
+    def features(self, f: mx.array) -> mx.array:
+        """The backbone's features ``(..., (1 + fused) H)`` fused to ``(..., H)`` (float32);
+        H-wide features (no fusion, or the layer's own predictions) pass unchanged."""
+        H = self.norm.weight.shape[0]
+        f = f.astype(mx.float32)
+        if f.shape[-1] == H:
+            return f
+        parts = [f[..., :H]] + [n(f[..., (j + 1) * H : (j + 2) * H]) for j, n in enumerate(self.fuse_norms)]
+        return self.fuse(mx.concatenate(parts, axis=-1))
 
     def __call__(self, f: mx.array, e: mx.array, positions: mx.array, mask, cache) -> mx.array:
         """Entries of N tree nodes or sequence positions.
 
         Args:
             f: ``(N, H)`` features f_i (the backbone's final hidden states, or the
-                layer's own predictions f^_i when drafting).
+                layer's own predictions f^_i when drafting); ``(N, (1 + fused) H)``
+                for the backbone's fused features (:meth:`features`).
             e: ``(N, H)`` input embeddings of x_{i+1}.
             positions: int ``(N,)`` rotary positions i.
             mask: ``None`` (a single entry), or bool ``(N, S)`` over the cache's
@@ -75,7 +95,7 @@ class EagleDraft(nn.Module):
         from mlx_stream.models.llama import _attention
 
         layer = self.layer
-        z = self.fc(mx.concatenate([f.astype(mx.float32), e.astype(mx.float32)], axis=-1))[None]
+        z = self.fc(mx.concatenate([self.features(f), e.astype(mx.float32)], axis=-1))[None]
         z = z + _attention(layer.self_attn, layer.input_layernorm(z), positions, mask, cache)
         z = z + layer.mlp(layer.post_attention_layernorm(z))
         return self.norm(z[0])
@@ -90,5 +110,5 @@ class EagleDraft(nn.Module):
         Returns:
             ``(B, L, H)`` predicted features.
         """
-        z = self.fc(mx.concatenate([f.astype(mx.float32), e.astype(mx.float32)], axis=-1))
+        z = self.fc(mx.concatenate([self.features(f), e.astype(mx.float32)], axis=-1))
         return self.norm(self.layer(z, "causal" if mask is None else mask, None))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -69,6 +70,7 @@ def new_heads(
     adapter_size: int = 128,
     copy_top_layer: bool = True,
     stream_copies: bool = False,
+    fuse_layers: Sequence[int] = (),
 ) -> StreamHeads:
     """Fresh heads for ``backbone``: their output blocks zero-initialised (``scale=0``,
     so a fresh head repeats the backbone's own prediction), or every weight drawn from
@@ -79,11 +81,13 @@ def new_heads(
     MLP at zero and the input projection ``[I 0]``, so a fresh draft layer first predicts
     the backbone's own next token (unless ``scale > 0``: all random). ``"msa"`` heads
     with ``stream_copies`` start their stream layers as copies of the backbone's top
-    ``stream_layers`` layers (unless ``scale > 0``).
+    ``stream_layers`` layers (unless ``scale > 0``). ``fuse_layers`` (``"eagle"``):
+    backbone layers whose input hidden states the draft layer fuses with the final
+    one (EAGLE-3); the fusion starts as ``[I 0 ... 0]`` (the final hidden state alone).
 
     Raises:
-        ValueError: an unknown ``architecture``, ``num_heads``/``num_layers`` < 1, or
-            more ``stream_layers`` than the backbone has.
+        ValueError: an unknown ``architecture``, ``num_heads``/``num_layers`` < 1,
+            more ``stream_layers`` than the backbone has, or a fuse layer outside it.
     """
     from mlx_stream.models import family
 
@@ -95,6 +99,10 @@ def new_heads(
         )
     if architecture == "msa" and stream_layers > len(backbone.layers):
         raise ValueError(f"stream_layers={stream_layers} but the backbone has {len(backbone.layers)} layers")
+    if any(not 0 <= int(n) < len(backbone.layers) for n in fuse_layers):
+        raise ValueError(
+            f"fuse_layers {list(fuse_layers)}: the backbone has layers 0..{len(backbone.layers) - 1}"
+        )
     spec = {}
     if architecture == "eagle" or (architecture == "msa" and stream_copies):
         from .eagle import layer_spec
@@ -110,6 +118,7 @@ def new_heads(
         stream_layers=stream_layers,
         adapter_size=adapter_size,
         stream_copies=stream_copies,
+        fuse_layers=[int(n) for n in fuse_layers],
         draft_vocab_size=0 if draft_ids is None else int(draft_ids.shape[0]),
         fingerprint=backbone_fingerprint(backbone, tokenizer),
     )
@@ -155,6 +164,11 @@ def _init_draft_layer(draft, backbone, copy_top_layer: bool) -> None:
     draft.fc.weight = mx.concatenate([mx.eye(H), mx.zeros((H, H))], axis=1)
     draft.fc.bias = mx.zeros((H,))
     draft.norm.weight = mx.ones((H,))
+    if hasattr(draft, "fuse"):  # the final hidden state alone, to start
+        n = draft.fuse.weight.shape[1] // H
+        draft.fuse.weight = mx.concatenate([mx.eye(H)] + [mx.zeros((H, H))] * (n - 1), axis=1)
+        for norm in draft.fuse_norms:
+            norm.weight = mx.ones((H,))
 
 
 def save_heads(heads: StreamHeads, path: str | Path, dtype: mx.Dtype | None = None) -> Path:

@@ -114,7 +114,7 @@ class StreamHeads(nn.Module):
         if config.architecture == "eagle":
             from .eagle import EagleDraft
 
-            self.eagle = EagleDraft(H, config.layer_spec)
+            self.eagle = EagleDraft(H, config.layer_spec, fused=len(config.fuse_layers))
             self.heads = []
         elif config.architecture == "hydra":
             self.heads = [

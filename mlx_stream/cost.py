@@ -88,6 +88,7 @@ def _eagle_draft_times(model, trees, context: int, repeats: int) -> list[float]:
     bb = model.backbone
     ids = mx.arange(1, context + 1, dtype=mx.int32) % bb.args.vocab_size
     hidden, _ = model.family.prefill_hidden(bb, ids, model.make_cache())
+    hidden = mx.concatenate([hidden] * (1 + len(model.heads.config.fuse_layers)), axis=-1)  # fused width
     result = []
     for tree in trees:
         drafter = EagleDrafter(model, tree)

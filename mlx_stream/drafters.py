@@ -242,6 +242,10 @@ class EagleDrafter:
     A prompt-cache prefix reused from an earlier call (chat) has no entries: the
     drafts then attend to the new tokens only (output is unaffected).
 
+    With fused features (``heads.config.fuse_layers``, EAGLE-3) the loop hands it each
+    position's final hidden state followed by the inputs of those layers
+    (``fuse_layers``: the decode loop captures them in the same forward pass).
+
     Args:
         model: a model whose heads are ``"eagle"``.
         tree: the tree to fill (no deeper than ``num_heads``).
@@ -261,6 +265,7 @@ class EagleDrafter:
             raise ValueError("EagleDrafter needs eagle heads")
         self.model = model
         self.tree = parse_tree(tree, model.heads.num_heads)
+        self.fuse_layers = tuple(model.heads.config.fuse_layers)
         self._ids = model.heads.draft_ids if model.heads.config.draft_vocab_size else None
         self._rows = None
         if self._ids is not None:
@@ -277,6 +282,12 @@ class EagleDrafter:
         # drop the last call's speculative entries, append those of the positions verified
         # since; returns their outputs (P, H) and the root's position r
         hidden = hidden.reshape(-1, hidden.shape[-1])
+        width = (1 + len(self.fuse_layers)) * self.model.heads.config.hidden_size
+        if hidden.shape[-1] != width:
+            raise ValueError(
+                f"these eagle heads read {width}-wide features (the final hidden state and the inputs "
+                f"of layers {list(self.fuse_layers)}), got {hidden.shape[-1]}"
+            )
         P, r = hidden.shape[0], len(tokens) - 1
         if self._next != r - P:  # first call, or a gap: start over from these positions
             self._committed = 0
@@ -317,11 +328,14 @@ class EagleDrafter:
         return masks
 
     def draft(self, hidden, tokens, mid=None, cache=None, max_depth: int | None = None, noise=None):
-        """``hidden``: ``(P, H)`` the backbone's features of the P positions verified
-        since the last call (the prompt's at the first call), the root's parent last.
-        ``max_depth=0`` only records them (a step drafted without the layer); a call
-        whose positions do not follow the last one's starts a fresh cache. ``noise``:
-        as for :class:`HeadsDrafter` (sampling)."""
+        """``hidden``: ``(P, H)`` (fused: ``(P, (1 + n) H)``) the backbone's features of
+        the P positions verified since the last call (the prompt's at the first call),
+        the root's parent last. ``max_depth=0`` only records them (a step drafted
+        without the layer); a call whose positions do not follow the last one's starts
+        a fresh cache. ``noise``: as for :class:`HeadsDrafter` (sampling).
+
+        Raises:
+            ValueError: ``hidden`` is not as wide as the heads' features."""
         draft = self.model.heads.eagle
         out, r = self._commit(hidden, tokens)
         depth = self.tree.depth if max_depth is None else min(max_depth, self.tree.depth)
@@ -403,8 +417,9 @@ class DynamicTreeDrafter(EagleDrafter):
 
     Args:
         model: a model whose heads are ``"eagle"``.
-        budget: the most nodes per tree, root included (>= 2); pick it from this
-            device's measured cost of an N-node forward (``mlx-stream bench``).
+        budget: the most nodes per tree, root included (>= 2); ``tree="dynamic:auto"``
+            picks it from this device's measured cost of an N-node forward
+            (:func:`mlx_stream.speculation.make_drafter`).
         width: children per expanded node and nodes expanded per level (>= 1).
         depth: the deepest level (default: the heads' ``num_heads``, at most ``budget - 1``:
             no deeper level can enter the tree).
@@ -596,6 +611,7 @@ class LookupDrafter:
         self.min_accept, self.explore_every, self.decay = min_accept, max(explore_every, 1), decay
         self.capture = getattr(base, "capture", None)
         self.reads_path = getattr(base, "reads_path", False)
+        self.fuse_layers = getattr(base, "fuse_layers", ())
         self.store = store
         self.rates = {"context": prior, "store": prior}  # the gate's moving average per source
         self._skipped = {"context": 0, "store": 0}

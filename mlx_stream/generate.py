@@ -493,9 +493,16 @@ def check_kv(kv: KVSettings, head_dim: int | None = None) -> None:
         )
 
 
-def _prefill(model, cache: PromptCache, ids: list[int], capture: int | None, step_size: int, kv: KVSettings):
+def _captures(drafter):
+    # the layers whose inputs the drafter reads: the msa heads' layer, or the fused layers
+    # of eagle heads (EAGLE-3), whose features are the final hidden states and these
+    capture = getattr(drafter, "capture", None)
+    return capture if capture is not None else (tuple(getattr(drafter, "fuse_layers", ())) or None)
+
+
+def _prefill(model, cache: PromptCache, ids: list[int], drafter, step_size: int, kv: KVSettings):
     # the prompt's keys/values into the cache (reusing its common prefix); returns the last
-    # position's (hidden, mid) and the number of tokens reused
+    # position's (hidden, mid), the number of tokens reused and every position's features
     reused = cache.reuse(ids, kv.start if kv.bits is not None else None)
     rest = ids[reused:]
     if kv.mlx_lm_prefill:
@@ -503,10 +510,12 @@ def _prefill(model, cache: PromptCache, ids: list[int], capture: int | None, ste
         pieces = [body[i : i + step_size] for i in range(0, len(body), step_size)] + [rest[-1:]]
     else:
         pieces = [rest[i : i + step_size] for i in range(0, len(rest), step_size)]
-    chunks = []
+    chunks, capture = [], _captures(drafter)
+    fused = getattr(drafter, "capture", None) is None and capture is not None
     for piece in pieces:
-        h, mid = model.family.prefill_hidden(model.backbone, mx.array(piece), cache.layers, capture=capture)
-        hidden, mid = h[-1], (mid[-1] if mid is not None else None)
+        h, mids = model.family.prefill_hidden(model.backbone, mx.array(piece), cache.layers, capture=capture)
+        hidden, mid = h[-1], (mids[-1] if mids is not None else None)
+        h = mx.concatenate([h, mids], axis=-1) if fused else h
         mx.eval(h, [c.state for c in cache.layers])
         quantize_cache(cache.layers, kv.bits, kv.group_size, kv.start)
         if isinstance(cache.layers[0], WindowKVCache):
@@ -531,7 +540,7 @@ def _decode_step(
     # one backbone forward over the tree rooted at the last emitted token: verify the
     # drafts, keep the accepted path in the cache, and keep the states the next drafts read
     fam, backbone = model.family, model.backbone
-    capture = getattr(drafter, "capture", None)
+    capture = _captures(drafter)
     start = cache_offset(cache.layers)  # == len(tokens) - 1: the root is not cached yet
     node_tokens = mx.concatenate([mx.array([last.next_token], dtype=mx.int32), drafts.astype(mx.int32)])
     positions = mx.array(start + tree.depths, dtype=mx.int32)
@@ -542,7 +551,10 @@ def _decode_step(
     keep_path(cache.layers, start, path)
     quantize_cache(cache.layers, kv.bits, kv.group_size, kv.start)
     cache.tokens.extend(node_list[i] for i in path)
-    path_hidden = h[mx.array(path)] if getattr(drafter, "reads_path", False) else None
+    path_hidden = None
+    if getattr(drafter, "reads_path", False):  # eagle heads: their features of the accepted path
+        fused = getattr(drafter, "capture", None) is None and capture is not None
+        path_hidden = (mx.concatenate([h, mids], axis=-1) if fused else h)[mx.array(path)]
     return _Step(
         tree,
         node_list,
@@ -794,9 +806,7 @@ def stream_generate(
 
     # prefill; the last hidden state gives the first token and feeds the heads
     tic = time.perf_counter()
-    hidden, mid, reused, prompt_hidden = _prefill(
-        model, cache, ids, getattr(drafter, "capture", None), prefill_step_size, kv
-    )
+    hidden, mid, reused, prompt_hidden = _prefill(model, cache, ids, drafter, prefill_step_size, kv)
     root = no_drafts()
     path, y, _, lps, tops = verify(
         root, mx.array([ids[-1]], dtype=mx.int32), model.family.project(model.backbone, hidden)[None], ids

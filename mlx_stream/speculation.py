@@ -27,7 +27,8 @@ def is_budget(spec: TreeSpec) -> bool:
 def dynamic_spec(spec: TreeSpec) -> tuple[int, int] | None:
     """``(budget, width)`` of a dynamic-tree spec (``"dynamic:N"`` or ``"dynamic:N,W"``:
     EAGLE-2's budgeted dynamic tree of at most N nodes, W children per expanded node,
-    default 4; eagle heads only), or ``None`` for any other spec.
+    default 4; eagle heads only), or ``None`` for any other spec. ``"dynamic:auto[,W]"``
+    gives budget 0: N is chosen on this device (:func:`make_drafter`).
 
     Raises:
         ValueError: a malformed dynamic spec.
@@ -38,13 +39,16 @@ def dynamic_spec(spec: TreeSpec) -> tuple[int, int] | None:
     try:
         if not body.startswith(":"):
             raise ValueError
-        nums = [int(x) for x in body[1:].split(",")]
-        if len(nums) not in (1, 2) or nums[0] < 2 or (len(nums) == 2 and nums[1] < 1):
+        parts = body[1:].split(",")
+        nums = [0 if parts[0].strip() == "auto" else int(parts[0])] + [int(x) for x in parts[1:]]
+        if len(nums) not in (1, 2) or nums[0] == 1 or nums[0] < 0 or (len(nums) == 2 and nums[1] < 1):
+            raise ValueError
+        if nums[0] == 0 and parts[0].strip() != "auto":
             raise ValueError
     except ValueError:
         raise ValueError(
-            f"bad dynamic tree spec {spec!r}: use dynamic:N (N >= 2 nodes, root included) or "
-            "dynamic:N,W (W >= 1 children per expanded node)"
+            f"bad dynamic tree spec {spec!r}: use dynamic:N (N >= 2 nodes, root included), "
+            "dynamic:N,W (W >= 1 children per expanded node) or dynamic:auto[,W]"
         ) from None
     return nums[0], nums[1] if len(nums) == 2 else 4
 
@@ -117,7 +121,9 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None,
         model: a :class:`~mlx_stream.model.SpeculativeModel`.
         tree: a tree spec (:func:`resolve_tree`), ``"dynamic:N[,W]"`` for EAGLE-2's
             dynamic tree (:class:`~mlx_stream.drafters.DynamicTreeDrafter`, eagle heads
-            only), or ``"budget"``: each step's tree budgeted across the heads' candidate
+            only; ``"dynamic:auto[,W]"``: N is the size of the heads' candidate tree with
+            the best tau / cost on this device, :func:`~mlx_stream.autotree.auto_tree`,
+            and a plain step when no tree pays), or ``"budget"``: each step's tree budgeted across the heads' candidate
             trees, prompt lookup and the datastore by estimated acceptance and this
             device's measured costs (:class:`~mlx_stream.budget.BudgetDrafter`; the
             costs are measured once per device and cached); ignored without heads,
@@ -148,7 +154,14 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None,
                 f"a dynamic tree ({tree!r}) needs eagle heads (an EAGLE-style draft layer); "
                 f"these heads are {model.heads.config.architecture!r}: use a static tree"
             )
-        drafter = DynamicTreeDrafter(model, dyn[0], dyn[1])
+        budget = dyn[0]
+        if budget == 0:  # the node budget whose best static tree pays most here (EAGLE-2's N from c(N))
+            from .autotree import auto_tree
+
+            budget = auto_tree(model)[0].size
+        drafter = (
+            DynamicTreeDrafter(model, budget, dyn[1]) if budget >= 2 else EagleDrafter(model, no_drafts())
+        )
     elif model.heads is None:
         drafter = NoDrafter()
     elif model.heads.autoregressive:

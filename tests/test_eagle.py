@@ -285,7 +285,15 @@ def test_dynamic_tree_specs_are_checked(eagle, tiny_dir):
     from mlx_stream.speculation import check_tree_spec, make_drafter, resolve_tree
 
     model, tok = eagle
-    for bad in ("dynamic", "dynamic:1", "dynamic:8,0", "dynamic:x", "dynamic:4,2,1"):
+    for bad in (
+        "dynamic",
+        "dynamic:1",
+        "dynamic:0",
+        "dynamic:8,0",
+        "dynamic:x",
+        "dynamic:4,2,1",
+        "dynamic:auto,0",
+    ):
         with pytest.raises(ValueError, match="dynamic tree spec"):
             check_tree_spec(bad)
     with pytest.raises(ValueError, match="static tree"):
@@ -298,3 +306,141 @@ def test_dynamic_tree_specs_are_checked(eagle, tiny_dir):
     hydra.heads = new_heads(hydra.backbone, tok2, K, architecture="hydra", scale=0.3, seed=5)
     with pytest.raises(ValueError, match="needs eagle heads"):
         make_drafter(hydra, "dynamic:8")
+
+
+def test_dynamic_auto_takes_the_budget_that_pays_on_this_device(eagle, tmp_path, monkeypatch):
+    """dynamic:auto: N is the size of the candidate tree with the best tau / cost here
+    (auto_tree, measured and cached), and a plain step when no tree pays."""
+    from mlx_stream.autotree import auto_tree
+    from mlx_stream.drafters import DynamicTreeDrafter
+    from mlx_stream.speculation import make_drafter
+
+    monkeypatch.setenv("MLX_STREAM_CACHE", str(tmp_path / "cache"))
+    model, tok = eagle
+    model.heads.config.tree_taus = {"0": 1.05, "0;1;0,0": 40.0}  # made-up taus that dwarf any cost
+    drafter = make_drafter(model, "dynamic:auto,3", prompt_lookup=0)
+    assert isinstance(drafter, DynamicTreeDrafter) and (drafter.budget, drafter.width) == (4, 3)
+    assert drafter.budget == auto_tree(model)[0].size
+    ids = tok.encode("The quick brown fox")
+    got, _ = ours(model, tok, ids, 24, tree="dynamic:auto")
+    assert got == mlx_lm_greedy(model.backbone, tok, ids, 24)
+    model.heads.config.tree_taus = {"0;1;2;0,0;0,1;1,0;0,0,0": 1.001}  # 7 drafts, almost never accepted
+    plain = make_drafter(model, "dynamic:auto", prompt_lookup=0)
+    assert not isinstance(plain, DynamicTreeDrafter) and plain.tree.size == 1
+
+
+FUSE = (0, 1)  # the tiny backbone's layers whose inputs fused heads read (EAGLE-3's low / middle)
+
+
+def _fused_feats(model, tokens):
+    # every position's fused feature: the final hidden state, then the inputs of FUSE
+    h, mids = model.family.prefill_hidden(model.backbone, mx.array(tokens), model.make_cache(), capture=FUSE)
+    return mx.concatenate([h, mids], axis=-1)
+
+
+def test_fused_features_start_as_the_final_feature_and_round_trip(tiny, tmp_path):
+    """EAGLE-3's fused features: a fresh fusion is [I 0 0] (the heads first draft as
+    unfused heads do); the tree forward's captured inputs equal the prefill's; the fused
+    width is checked; fuse_layers round-trip."""
+    from mlx_stream.models.llama import tree_hidden
+
+    model, tok = tiny
+    plain = new_heads(model.backbone, tok, K, architecture="eagle", seed=1)
+    fused = new_heads(model.backbone, tok, K, architecture="eagle", seed=1, fuse_layers=FUSE)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog")
+    feats = _fused_feats(model, ids)
+    H = model.args.hidden_size
+    assert feats.shape == (len(ids), 3 * H)
+    e = model.embed(mx.array(ids[1:]))[None]
+    a = plain.eagle.sequence(feats[None, :-1, :H], e)
+    b = fused.eagle.sequence(feats[None, :-1], e)
+    assert mx.allclose(a, b, atol=1e-5)
+    L = len(ids)
+    h, mids = tree_hidden(
+        model.backbone,
+        mx.array(ids),
+        mx.arange(L),
+        mx.tril(mx.ones((L, L), dtype=mx.bool_)),
+        model.make_cache(),
+        capture=FUSE,
+    )
+    assert mx.allclose(mx.concatenate([h, mids], axis=-1), feats, atol=1e-4)
+    trained = new_heads(model.backbone, tok, K, architecture="eagle", scale=1.0, seed=3, fuse_layers=FUSE)
+    for j in (1, 2):  # each fused layer's input matters once the fusion is trained
+        cut = feats.at[:, j * H : (j + 1) * H].multiply(0.0)
+        assert not mx.allclose(trained.eagle.features(feats), trained.eagle.features(cut), atol=1e-3), j
+    back = load_heads(save_heads(fused, tmp_path / "h"))
+    assert back.config.fuse_layers == list(FUSE)
+    for (k, x), (_, y) in zip(tree_flatten(fused.parameters()), tree_flatten(back.parameters())):
+        assert mx.array_equal(x, y), k
+    model.heads = fused
+    with pytest.raises(ValueError, match="wide features"):
+        EagleDrafter(model, chain(K)).draft(feats[:, :H], ids)
+    with pytest.raises(ValueError, match="fuse_layers"):
+        new_heads(model.backbone, tok, K, architecture="eagle", fuse_layers=(99,))
+
+
+def test_fused_drafts_equal_a_causal_recomputation(tiny):
+    """With fused features, every node equals a plain causal pass over its own path whose
+    verified entries read the fused features and whose drafted entries read the layer's
+    own predictions (weights at scale 1, so every weight of the fusion matters)."""
+    model, tok = tiny
+    model.heads = new_heads(model.backbone, tok, K, architecture="eagle", scale=1.0, seed=7, fuse_layers=FUSE)
+    tree = parse_tree(TREE, K)
+    ids = tok.encode("The quick brown fox jumps over")
+    tokens_all = ids + list(mlx_lm_greedy(model.backbone, tok, ids, 10))
+    feats = _fused_feats(model, tokens_all)
+    drafter = EagleDrafter(model, tree)
+    r, prev = len(ids), 0
+    for accepted in (0, 2, 1, 3):
+        tokens = tokens_all[: r + 1]
+        t, drafts = propose(drafter, feats[prev:r], tokens, K)
+        drafts = drafts.tolist()
+        fused = model.heads.eagle.features(feats)  # (L, H): what a verified entry reads
+        for i in range(1, t.size):
+            parent_path = [drafts[j - 1] for j in t.paths[i][:-1]]
+            ref = _reference_children(model, fused, tokens, parent_path)
+            assert drafts[i - 1] == int(ref[int(t.ranks[i])]), (accepted, i)
+        prev, r = r, r + accepted + 1
+
+
+@pytest.mark.parametrize("tree", [chain(K), TREE, "dynamic:6,3"])
+def test_greedy_identity_with_fused_eagle_heads(tiny, tree):
+    """The loop hands fused heads their fused features (the drafter refuses any other
+    width) through prefill and every step; output stays the backbone's."""
+    model, tok = tiny
+    model.heads = new_heads(model.backbone, tok, K, architecture="eagle", scale=0.3, seed=5, fuse_layers=FUSE)
+    for prompt in ("The quick brown fox", "Speculative decoding drafts several tokens"):
+        ids = tok.encode(prompt)
+        ref = mlx_lm_greedy(model.backbone, tok, ids, 40)
+        got, _ = ours(model, tok, ids, 40, tree=tree)
+        assert_greedy_identical(model, ids, got, ref)
+
+
+def test_train_fused_eagle_learns_and_unrolls_like_drafting(tiny):
+    """Fused sequence features are the final hidden states then the layers' inputs; the
+    unrolled steps read the fused feature at real entries only; training learns."""
+    from mlx_stream.train.eagle import evaluate_eagle, sequence_features, train_eagle, unrolled_features
+
+    model, tok = tiny
+    model.heads = new_heads(model.backbone, tok, K, architecture="eagle", scale=0.3, seed=5, fuse_layers=FUSE)
+    rows = [
+        {"prompt": "Count:", "completion": " one two three four five six seven eight nine ten"},
+        {"prompt": "Letters:", "completion": " a b c d e f g h i j k l m n o p"},
+    ] * 4
+    seqs = sequence_features(model, tok, rows, fuse_layers=FUSE)
+    ref = _fused_feats(model, seqs[0].ids.tolist())[:-1]
+    assert np.allclose(seqs[0].feats.astype(np.float32), np.array(ref), atol=2e-2)
+    draft = model.heads.eagle
+    F, ids = mx.array(seqs[0].feats.astype(np.float32))[None], seqs[0].ids.tolist()
+    E = model.embed(mx.array(ids[1:]))[None]
+    outs = unrolled_features(draft, F, E, 2)
+    i = 5  # step 2 at entry i: real entries up to i - 1 (fused), then its own prediction
+    f = draft.features(F[0, :i])
+    g = draft.sequence(f[None], E[:, :i])[0][-1]
+    g2 = draft.sequence(mx.concatenate([f, g[None]])[None], E[:, : i + 1])[0][-1]
+    assert mx.allclose(outs[1][0, i], g2, atol=1e-4)
+    before, _, _ = evaluate_eagle(model, model.heads, seqs, 2)
+    train_eagle(model, model.heads, seqs, epochs=60, lr=3e-3, steps=2, warmup=5, log=lambda s: None)
+    after, _, _ = evaluate_eagle(model, model.heads, seqs, 2)
+    assert after[0] > max(0.8, before[0] + 0.3) and after[1] > 0.6, (before, after)

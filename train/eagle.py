@@ -19,6 +19,7 @@ depth-k draft node sees at decode time. Step k is weighted ``step_decay**(k-1)``
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -35,26 +36,64 @@ from .trainer import _draft_rows, _schedule
 @dataclass
 class EagleSequence:
     """One training sequence: ``ids`` (L,) int32, ``start`` (first completion token),
-    ``feats`` ``(L - 1, H)`` float16 final hidden states of positions 0..L-2."""
+    ``feats`` ``(L - 1, H)`` float16 final hidden states of positions 0..L-2 (fused
+    features: ``(L - 1, (1 + n) H)``, :func:`sequence_features`)."""
 
     ids: np.ndarray
     start: int
     feats: np.ndarray
 
 
-def sequence_features(model, tokenizer, rows, tokens_per_pass: int = 4096) -> list[EagleSequence]:
+def sequence_features(
+    model, tokenizer, rows, tokens_per_pass: int = 4096, fuse_layers: Sequence[int] = ()
+) -> list[EagleSequence]:
     """The frozen backbone's final features of every position of ``{"prompt",
     "completion"}`` rows (batched teacher-forced prefill); rows without a completion
-    token are skipped. Returns the sequences in row order."""
+    token are skipped. With ``fuse_layers`` each position's feature is the final hidden
+    state followed by the hidden states entering those layers (EAGLE-3's fused
+    features: ``(L - 1, (1 + len(fuse_layers)) H)``). Returns the sequences in row order."""
     pairs = [sequence_ids(tokenizer, row) for row in rows]
     keep = [i for i, (ids, s) in enumerate(pairs) if len(ids) - s >= 1 and len(ids) >= 3]
     out: dict[int, EagleSequence] = {}
-    for k, h, _, _ in teacher_forced(
-        model, [(pairs[i][0], 1) for i in keep], tokens_per_pass=tokens_per_pass
-    ):
+    if fuse_layers:
+        found = _fused_features(model.backbone, [pairs[i][0] for i in keep], fuse_layers, tokens_per_pass)
+    else:
+        found = (
+            (k, h)
+            for k, h, _, _ in teacher_forced(
+                model, [(pairs[i][0], 1) for i in keep], tokens_per_pass=tokens_per_pass
+            )
+        )
+    for k, h in found:
         ids, start = pairs[keep[k]]
         out[keep[k]] = EagleSequence(np.asarray(ids, np.int32), max(start, 1), h)
     return [out[i] for i in keep if i in out]
+
+
+def _fused_features(backbone, seqs, layers, tokens_per_pass):
+    # (index, (L - 1, (1 + len(layers)) H) float16) per sequence: final hidden states, then
+    # the hidden states entering ``layers``, of positions 0..L-2; right-padded batches
+    inner, layers = backbone.model, [int(n) for n in layers]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    k = 0
+    while k < len(order):
+        group = [order[k]]
+        while k + len(group) < len(order) and (len(group) + 1) * len(seqs[order[k + len(group)]]) <= max(
+            tokens_per_pass, len(seqs[order[k]])
+        ):
+            group.append(order[k + len(group)])
+        k += len(group)
+        width = max(len(seqs[i]) for i in group)
+        h = inner.embed_tokens(mx.array([list(seqs[i]) + [0] * (width - len(seqs[i])) for i in group]))
+        caps = {}
+        for n, layer in enumerate(inner.layers):
+            if n in layers:
+                caps[n] = h
+            h = layer(h, "causal", None)
+        feats = mx.concatenate([inner.norm(h)] + [caps[n] for n in layers], axis=-1).astype(mx.float16)
+        feats = np.array(feats)
+        for b, i in enumerate(group):
+            yield i, feats[b, : len(seqs[i]) - 1]
 
 
 def batches(seqs, tokens: int, seed: int | None = None) -> list[list[int]]:
@@ -133,7 +172,8 @@ def unrolled_features(draft, F: mx.array, E: mx.array, steps: int) -> list[mx.ar
 
     Args:
         draft: an :class:`~mlx_stream.heads.eagle.EagleDraft`.
-        F: ``(B, T, H)`` the backbone's features f_i; E: ``(B, T, H)`` embeddings of x_{i+1}.
+        F: ``(B, T, H)`` the backbone's features f_i (fused: ``(B, T, (1 + n) H)``).
+        E: ``(B, T, H)`` embeddings of x_{i+1}.
 
     Returns:
         ``steps`` arrays ``(B, T, H)``: entry i of step k predicts f_{i+1} after reading
@@ -146,8 +186,8 @@ def unrolled_features(draft, F: mx.array, E: mx.array, steps: int) -> list[mx.ar
     keys, vals, outs = [], [], []
     prev = None
     for k in range(1, steps + 1):
-        f_in = F if k == 1 else _shift(prev, 1)
-        z = draft.fc(mx.concatenate([f_in.astype(mx.float32), E], axis=-1))
+        f_in = draft.features(F) if k == 1 else _shift(prev, 1)
+        z = draft.fc(mx.concatenate([f_in, E.astype(mx.float32)], axis=-1))
         q, kk, vv = _qkv(attn, layer.input_layernorm(z))
         keys.append(kk)
         vals.append(vv)
@@ -175,7 +215,7 @@ def eagle_loss(model, heads, F, X, Y, R, rows, steps: int, reg_weight: float, st
     returns ``(loss, per-step top-1 correct counts, per-step counted positions)``."""
     E = model.embed(X)
     outs = unrolled_features(heads.eagle, F, E, steps)
-    Ff = F.astype(mx.float32)
+    Ff = F[..., : outs[0].shape[-1]].astype(mx.float32)  # the final hidden states (fused: the first H)
     total, correct, counted = 0.0, [], []
     wsum = 0.0
     T = F.shape[1]

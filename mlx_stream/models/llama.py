@@ -40,47 +40,56 @@ def _attention(attn, x, positions, mask, cache):
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
 
 
-def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, capture: int | None = None):
+def _captured(capture) -> tuple[int, ...]:
+    return () if capture is None else (capture,) if isinstance(capture, int) else tuple(capture)
+
+
+def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, capture=None):
     """Final (normed) hidden states of the tree nodes and, with ``capture=l``, the
-    hidden states entering layer ``l`` (what multi-stream attention heads read).
+    hidden states entering layer ``l`` (what multi-stream attention heads read); with
+    ``capture=(l1, l2, ...)``, those entering each of the layers, concatenated in that
+    order (EAGLE-3's fused features).
 
     ``mask`` is ``None`` for a single node, else a bool ``(N, S)`` array over the
     cached prefix plus the tree (S = cache offset + N).
 
     Returns:
-        ``(hidden, mid)``: ``hidden`` ``(N, hidden_size)``; ``mid`` ``(N, hidden_size)``,
-        or ``None`` without ``capture``.
+        ``(hidden, mid)``: ``hidden`` ``(N, hidden_size)``; ``mid`` ``(N, hidden_size)``
+        (``(N, n x hidden_size)`` for n captured layers), or ``None`` without ``capture``.
     """
-    inner = backbone.model
+    inner, layers = backbone.model, _captured(capture)
     h = inner.embed_tokens(tokens[None])  # (1, N, H)
-    mid = None
+    caps = {}
     every = _queue_every()
     for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        if i == capture:
-            mid = h[0]
+        if i in layers:
+            caps[i] = h[0]
         h = h + _attention(layer.self_attn, layer.input_layernorm(h), positions, mask, c)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         if every and i % every == every - 1:
             mx.async_eval(h)
+    mid = mx.concatenate([caps[i] for i in layers], axis=-1) if layers else None
     return inner.norm(h)[0], mid
 
 
-def prefill_hidden(backbone, tokens: mx.array, cache, capture: int | None = None):
+def prefill_hidden(backbone, tokens: mx.array, cache, capture=None):
     """``(hidden, mid)`` of a causal prefill of L tokens, as :func:`tree_hidden`:
     ``hidden`` ``(L, hidden_size)`` (mlx-lm's own forward), ``mid`` ``None`` without
     ``capture``."""
-    if capture is None:
+    layers = _captured(capture)
+    if not layers:
         return backbone.model(tokens[None], cache=cache)[0], None
     from mlx_lm.models.base import create_attention_mask
 
     inner = backbone.model
     h = inner.embed_tokens(tokens[None])
     mask = create_attention_mask(h, cache[0])  # as mlx-lm's LlamaModel.__call__
+    caps = {}
     for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        if i == capture:
-            mid = h[0]
+        if i in layers:
+            caps[i] = h[0]
         h = layer(h, mask, c)
-    return inner.norm(h)[0], mid
+    return inner.norm(h)[0], mx.concatenate([caps[i] for i in layers], axis=-1)
 
 
 def project(backbone, hidden: mx.array) -> mx.array:

@@ -26,7 +26,7 @@ from mlx_stream.files import atomic_write
 from mlx_stream.heads import backbone_fingerprint, load_heads
 from mlx_stream.loader import load, resolve_heads
 from mlx_stream.prompts import load_spec_bench
-from mlx_stream.train.replay import greedy_outputs, replay_outputs
+from mlx_stream.train.replay import fused_states, greedy_outputs, replay_outputs
 
 
 def make_store(spec: str, tok, fp):
@@ -98,8 +98,8 @@ def main():
     if a.outputs and Path(a.outputs).is_file():
         with open(a.outputs, "rb") as f:
             saved = pickle.load(f)
-        if saved["key"] != key or (eagle and any(o is not None and o[3] is None for o in saved["outputs"])):
-            raise SystemExit(f"{a.outputs}: made for other prompts, --max-tokens or without prompt states")
+        if saved["key"] != key:
+            raise SystemExit(f"{a.outputs}: made for other prompts or --max-tokens")
         outputs = saved["outputs"]
     else:
         outputs = greedy_outputs(model, tok, items, a.max_tokens, prompt_states=eagle or a.only_outputs)
@@ -109,13 +109,17 @@ def main():
     if a.only_outputs:
         return
     stores = {spec: make_store(spec, tok, fp) for spec in a.stores.split()}
-    results = {}
+    results, states = {}, {}
     for (name, h), tree, (sname, make) in itertools.product(heads.items(), trees, stores.items()):
         model.heads = h
+        fuse = tuple(h.config.fuse_layers)
+        if h.autoregressive and fuse not in states:  # eagle heads: every position's (fused) features
+            states[fuse] = fused_states(model, outputs, fuse)
         tic = time.perf_counter()
         spec = None if tree == "stored" else tree
         store = make(resolve_heads(a.model, name))
-        rows = replay_outputs(model, items, outputs, a.max_tokens, spec, a.prompt_lookup, store=store)
+        got = states[fuse] if h.autoregressive else outputs
+        rows = replay_outputs(model, items, got, a.max_tokens, spec, a.prompt_lookup, store=store)
         res = pool_tau(rows)
         key = f"{name} | {tree if tree != 'stored' else 'stored: ' + (h.config.tree or 'sparse')} | {sname}"
         results[key] = {k: v["tau"] for k, v in res.items() if k == "all" or k.startswith("group:")}

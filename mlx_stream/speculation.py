@@ -123,11 +123,11 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None,
             dynamic tree (:class:`~mlx_stream.drafters.DynamicTreeDrafter`, eagle heads
             only; ``"dynamic:auto[,W]"``: N is the size of the heads' candidate tree with
             the best tau / cost on this device, :func:`~mlx_stream.autotree.auto_tree`,
-            and a plain step when no tree pays), or ``"budget"``: each step's tree budgeted across the heads' candidate
-            trees, prompt lookup and the datastore by estimated acceptance and this
-            device's measured costs (:class:`~mlx_stream.budget.BudgetDrafter`; the
-            costs are measured once per device and cached); ignored without heads,
-            except ``"budget"``.
+            and a plain step when no tree pays), or ``"budget"``: each step's tree
+            budgeted across the heads' candidate trees, prompt lookup and the
+            datastore by estimated acceptance and this device's measured costs
+            (:class:`~mlx_stream.budget.BudgetDrafter`; the costs are measured once
+            per device and cached); ignored without heads, except ``"budget"``.
         prompt_lookup: the most tokens copied from the context per step
             (:class:`~mlx_stream.drafters.LookupDrafter`); 0 turns it off; ``None``:
             :data:`PROMPT_LOOKUP` with heads, 0 without.

@@ -166,14 +166,20 @@ def test_train_eagle_learns_a_tiny_corpus(eagle):
     assert ranks.shape[1] == 2 and rep["positions"] > 0
 
 
-def test_replay_of_eagle_heads_matches_the_loop(eagle):
+@pytest.mark.parametrize("fuse", [(), (0, 1)])
+def test_replay_of_eagle_heads_matches_the_loop(eagle, fuse):
     """eval-heads --replay with eagle heads (prompt states from a teacher-forced prefill,
-    the path's states after each step) gives the loop's tokens and passes per prompt."""
+    the path's states after each step; fused heads: every state from one teacher-forced
+    pass with the layers' inputs) gives the loop's tokens and passes per prompt."""
     from mlx_stream.bench import Decoding, decode_items
     from mlx_stream.train.eagle import sequence_features, train_eagle
     from mlx_stream.train.replay import replay_items
 
     model, tok = eagle
+    if fuse:
+        model.heads = new_heads(
+            model.backbone, tok, K, architecture="eagle", scale=0.3, seed=5, fuse_layers=fuse
+        )
     from mlx_stream.prompts import prompt_ids
 
     prompts = ("Count:", "Count: one two", "The quick brown")
@@ -182,7 +188,7 @@ def test_replay_of_eagle_heads_matches_the_loop(eagle):
         {"prompt": p, "completion": tok.decode(mlx_lm_greedy(model.backbone, tok, prompt_ids(tok, p), 24))}
         for p in prompts
     ]
-    seqs = sequence_features(model, tok, rows * 3)
+    seqs = sequence_features(model, tok, rows * 3, fuse_layers=fuse)
     train_eagle(model, model.heads, seqs, epochs=60, lr=3e-3, warmup=5, log=lambda s: None)
     items = [{"prompt": p, "group": "g", "category": "c"} for p in prompts]
     for tree in ("0;1;0,0;0,0,0", "0"):

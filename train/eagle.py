@@ -56,7 +56,7 @@ def sequence_features(
     keep = [i for i, (ids, s) in enumerate(pairs) if len(ids) - s >= 1 and len(ids) >= 3]
     out: dict[int, EagleSequence] = {}
     if fuse_layers:
-        found = _fused_features(model.backbone, [pairs[i][0] for i in keep], fuse_layers, tokens_per_pass)
+        found = layer_features(model.backbone, [pairs[i][0] for i in keep], fuse_layers, tokens_per_pass)
     else:
         found = (
             (k, h)
@@ -70,9 +70,14 @@ def sequence_features(
     return [out[i] for i in keep if i in out]
 
 
-def _fused_features(backbone, seqs, layers, tokens_per_pass):
-    # (index, (L - 1, (1 + len(layers)) H) float16) per sequence: final hidden states, then
-    # the hidden states entering ``layers``, of positions 0..L-2; right-padded batches
+def layer_features(
+    backbone, seqs: Sequence[Sequence[int]], layers: Sequence[int] = (), tokens_per_pass: int = 4096
+):
+    """Teacher-forced features of token sequences (causal, right-padded batches of at
+    most ``tokens_per_pass`` tokens): per sequence of L tokens, ``(index, feats)`` with
+    ``feats`` ``(L - 1, (1 + len(layers)) H)`` float16: positions 0..L-2's final hidden
+    states followed by the hidden states entering each of ``layers`` (EAGLE-3's fused
+    features). Shortest sequences first."""
     inner, layers = backbone.model, [int(n) for n in layers]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     k = 0

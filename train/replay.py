@@ -107,6 +107,7 @@ def greedy_outputs(
     max_tokens: int = 128,
     batch_size: int = 32,
     prompt_states: bool = False,
+    fuse_layers: Sequence[int] = (),
 ) -> list[tuple | None]:
     """The backbone's greedy outputs for ``items`` with what a replay reads, made once
     (batched) so that several heads and trees can be replayed over them.
@@ -114,6 +115,8 @@ def greedy_outputs(
     Args:
         items: ``{"prompt", ...}`` (through the chat template).
         prompt_states: also the prompt positions' final hidden states (eagle heads).
+        fuse_layers: with ``prompt_states``, every state is the fused feature of eagle
+            heads that read these layers' inputs too (:func:`fused_states`).
 
     Returns:
         Per item, in order: None when the prompt and ``max_tokens`` do not fit in the
@@ -124,7 +127,7 @@ def greedy_outputs(
     prompts = [prompt_ids(tokenizer, it["prompt"]) for it in items]
     todo = [i for i, p in enumerate(prompts) if ctx is None or len(p) + max_tokens <= ctx]
     states: dict[int, np.ndarray] = {}
-    if prompt_states:
+    if prompt_states and not fuse_layers:
         from .features import teacher_forced
 
         for k, h, _, _ in teacher_forced(model, [(prompts[i], 1) for i in todo]):
@@ -138,6 +141,24 @@ def greedy_outputs(
     ):
         i = todo[k]
         out[i] = (prompts[i], g.tokens, g.hidden, states.get(i))
+    return fused_states(model, out, fuse_layers) if prompt_states and fuse_layers else out
+
+
+def fused_states(model, outputs: Sequence[tuple | None], fuse_layers: Sequence[int]) -> list[tuple | None]:
+    """:func:`greedy_outputs`' outputs with every state replaced by the fused feature of
+    eagle heads reading ``fuse_layers`` (EAGLE-3): the final hidden state followed by the
+    inputs of those layers, from one teacher-forced pass over prompt + output
+    (:func:`~mlx_stream.train.eagle.layer_features`). The states become
+    ``(M, (1 + n) H)`` and the prompt's ``(len(prompt) - 1, (1 + n) H)``."""
+    from .eagle import layer_features
+
+    todo = [i for i, o in enumerate(outputs) if o is not None]
+    seqs = [list(outputs[i][0]) + list(outputs[i][1]) for i in todo]
+    out = list(outputs)
+    for k, feats in layer_features(model.backbone, seqs, fuse_layers):
+        prompt, output = outputs[todo[k]][:2]
+        p = len(prompt) - 1
+        out[todo[k]] = (prompt, output, feats[p : p + len(output)], feats[:p])
     return out
 
 
@@ -192,6 +213,14 @@ def replay_items(
         progress: called with each row as it is replayed.
     """
     shape = tree if is_budget(tree) else resolve_tree(model, tree)
-    reads_path = getattr(make_drafter(model, shape, prompt_lookup), "reads_path", False)
-    outputs = greedy_outputs(model, tokenizer, items, max_tokens, batch_size, prompt_states=reads_path)
+    drafter = make_drafter(model, shape, prompt_lookup)
+    outputs = greedy_outputs(
+        model,
+        tokenizer,
+        items,
+        max_tokens,
+        batch_size,
+        prompt_states=getattr(drafter, "reads_path", False),
+        fuse_layers=getattr(drafter, "fuse_layers", ()),
+    )
     return replay_outputs(model, items, outputs, max_tokens, tree, prompt_lookup, progress)

@@ -123,7 +123,6 @@ def main():
         a.valid_sequences,
         layer,
         a.model,
-        fuse,
         attending,
     )
     cached = Path(a.features_cache) if a.features_cache else None
@@ -131,8 +130,9 @@ def main():
         n: [r for run in runs for r in read_jsonl(run / "data" / f"{n}.jsonl")] for n in ("train", "valid")
     }
     rows = {"train": rows["train"][: a.sequences], "valid": rows["valid"][: a.valid_sequences]}
-    if cached and cached.is_file() and pickle.loads(cached.read_bytes())["key"] == key:
-        got = pickle.loads(cached.read_bytes())
+    got = pickle.loads(cached.read_bytes()) if cached and cached.is_file() else {}
+    # a cache made with fused features serves the other architectures too (they read the first H)
+    if got.get("key") == key and (got.get("fuse") == fuse or (not fuse and "fuse" in got)):
         tr_seqs, tr_fin, va_seqs, va_fin = got["tr"], got["tr_fin"], got["va"], got["va_fin"]
     else:
         if attending:  # the hidden states entering the stream layers, and the final ones
@@ -143,7 +143,14 @@ def main():
             va_seqs = eagle_features(model, tok, rows["valid"], fuse_layers=fuse)
             tr_fin, va_fin = [s.feats for s in tr_seqs], [s.feats for s in va_seqs]
         if cached:
-            blob = {"key": key, "tr": tr_seqs, "tr_fin": tr_fin, "va": va_seqs, "va_fin": va_fin}
+            blob = {
+                "key": key,
+                "fuse": fuse,
+                "tr": tr_seqs,
+                "tr_fin": tr_fin,
+                "va": va_seqs,
+                "va_fin": va_fin,
+            }
             tmp = cached.with_suffix(".tmp")
             tmp.write_bytes(pickle.dumps(blob))
             tmp.replace(cached)

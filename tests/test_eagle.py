@@ -191,7 +191,7 @@ def test_replay_of_eagle_heads_matches_the_loop(eagle, fuse):
     seqs = sequence_features(model, tok, rows * 3, fuse_layers=fuse)
     train_eagle(model, model.heads, seqs, epochs=60, lr=3e-3, warmup=5, log=lambda s: None)
     items = [{"prompt": p, "group": "g", "category": "c"} for p in prompts]
-    for tree in ("0;1;0,0;0,0,0", "0"):
+    for tree in ("0;1;0,0;0,0,0", "0", "dynamic:4,2"):
         got = replay_items(model, tok, items, 24, tree=tree, prompt_lookup=0)
         ref = decode_items(model, tok, items, Decoding(24, tree, 0))
         assert [(r["tokens"], r["forward_passes"]) for r in got] == [

@@ -26,7 +26,7 @@ import numpy as np
 
 from mlx_stream.drafters import AcceptanceObserver, propose
 from mlx_stream.prompts import prompt_ids
-from mlx_stream.speculation import is_budget, make_drafter, resolve_tree
+from mlx_stream.speculation import dynamic_spec, is_budget, make_drafter, resolve_tree
 
 from .generation import generate_batch
 
@@ -173,10 +173,10 @@ def replay_outputs(
     store=None,
 ) -> list[dict]:
     """Rows of :func:`mlx_stream.bench.decode_items` from :func:`greedy_outputs`, drafting
-    with ``model``'s heads (``tree`` resolved once; ``"budget"``: a fresh budgeted
-    drafter per prompt), ``prompt_lookup`` and ``store``
+    with ``model``'s heads (``tree`` resolved once; ``"budget"`` and dynamic trees: a
+    fresh drafter per prompt), ``prompt_lookup`` and ``store``
     (:func:`mlx_stream.speculation.make_drafter`; None: ``model.datastore``)."""
-    shape = tree if is_budget(tree) else resolve_tree(model, tree)
+    shape = tree if is_budget(tree) or dynamic_spec(tree) is not None else resolve_tree(model, tree)
     rows = []
     for it, o in zip(items, outputs):
         row = {"group": it["group"], "category": it["category"], "tokens": 0.0, "forward_passes": 0}
@@ -212,7 +212,7 @@ def replay_items(
         batch_size: sequences generated together.
         progress: called with each row as it is replayed.
     """
-    shape = tree if is_budget(tree) else resolve_tree(model, tree)
+    shape = tree if is_budget(tree) or dynamic_spec(tree) is not None else resolve_tree(model, tree)
     drafter = make_drafter(model, shape, prompt_lookup)
     outputs = greedy_outputs(
         model,

@@ -50,7 +50,8 @@ _TREE = typer.Option(
     "--tree",
     help=f"Draft tree: '{AUTO_TREE}' (the heads' candidate that is fastest on this device, measured once), "
     "'sparse', 'chain', 'chain:K', 'none', rank paths like '0;1;0,0;0,0,0', or (eagle heads) "
-    "'dynamic:N[,W]', EAGLE-2's dynamic tree of at most N nodes, or 'budget' (each step's tree chosen "
+    "'dynamic:N[,W]', EAGLE-2's dynamic tree of at most N nodes ('dynamic:auto': N that pays most on this "
+    "device), or 'budget' (each step's tree chosen "
     "across the heads, prompt lookup and the datastore by estimated acceptance and this device's "
     "measured costs). Default: the tree stored with the heads.",
 )

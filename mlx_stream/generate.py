@@ -494,10 +494,14 @@ def check_kv(kv: KVSettings, head_dim: int | None = None) -> None:
 
 
 def _captures(drafter):
-    # the layers whose inputs the drafter reads: the msa heads' layer, or the fused layers
-    # of eagle heads (EAGLE-3), whose features are the final hidden states and these
+    # (layers whose inputs the forward captures, whether they fuse into the drafter's
+    # features): the msa heads' layer, or the fused layers of eagle heads (EAGLE-3),
+    # whose features are the final hidden states followed by these
     capture = getattr(drafter, "capture", None)
-    return capture if capture is not None else (tuple(getattr(drafter, "fuse_layers", ())) or None)
+    if capture is not None:
+        return capture, False
+    fuse = tuple(getattr(drafter, "fuse_layers", ()))
+    return (fuse, True) if fuse else (None, False)
 
 
 def _prefill(model, cache: PromptCache, ids: list[int], drafter, step_size: int, kv: KVSettings):
@@ -510,8 +514,7 @@ def _prefill(model, cache: PromptCache, ids: list[int], drafter, step_size: int,
         pieces = [body[i : i + step_size] for i in range(0, len(body), step_size)] + [rest[-1:]]
     else:
         pieces = [rest[i : i + step_size] for i in range(0, len(rest), step_size)]
-    chunks, capture = [], _captures(drafter)
-    fused = getattr(drafter, "capture", None) is None and capture is not None
+    chunks, (capture, fused) = [], _captures(drafter)
     for piece in pieces:
         h, mids = model.family.prefill_hidden(model.backbone, mx.array(piece), cache.layers, capture=capture)
         hidden, mid = h[-1], (mids[-1] if mids is not None else None)
@@ -540,7 +543,7 @@ def _decode_step(
     # one backbone forward over the tree rooted at the last emitted token: verify the
     # drafts, keep the accepted path in the cache, and keep the states the next drafts read
     fam, backbone = model.family, model.backbone
-    capture = _captures(drafter)
+    capture, fused = _captures(drafter)
     start = cache_offset(cache.layers)  # == len(tokens) - 1: the root is not cached yet
     node_tokens = mx.concatenate([mx.array([last.next_token], dtype=mx.int32), drafts.astype(mx.int32)])
     positions = mx.array(start + tree.depths, dtype=mx.int32)
@@ -553,7 +556,6 @@ def _decode_step(
     cache.tokens.extend(node_list[i] for i in path)
     path_hidden = None
     if getattr(drafter, "reads_path", False):  # eagle heads: their features of the accepted path
-        fused = getattr(drafter, "capture", None) is None and capture is not None
         path_hidden = (mx.concatenate([h, mids], axis=-1) if fused else h)[mx.array(path)]
     return _Step(
         tree,

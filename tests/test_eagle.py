@@ -99,9 +99,25 @@ def test_drafts_equal_a_causal_recomputation_step_after_step(eagle):
     assert drafter.cache.offset >= r - 1  # verified entries plus the last call's speculative ones
 
 
-@pytest.mark.parametrize("tree", [chain(K), sparse(K), TREE])
-def test_greedy_identity_with_eagle_heads(eagle, tree):
+@pytest.mark.parametrize(
+    "tree,fuse",
+    [
+        (chain(K), ()),
+        (sparse(K), ()),
+        (TREE, ()),
+        (chain(K), (0, 1)),
+        (TREE, (0, 1)),
+        ("dynamic:6,3", (0, 1)),
+    ],
+)
+def test_greedy_identity_with_eagle_heads(eagle, tree, fuse):
+    """Output stays the backbone's; fused heads (EAGLE-3) get their fused features
+    through prefill and every step (the drafter refuses any other width)."""
     model, tok = eagle
+    if fuse:
+        model.heads = new_heads(
+            model.backbone, tok, K, architecture="eagle", scale=0.3, seed=5, fuse_layers=fuse
+        )
     for prompt in ("The quick brown fox", "Speculative decoding drafts several tokens"):
         ids = tok.encode(prompt)
         ref = mlx_lm_greedy(model.backbone, tok, ids, 48)
@@ -408,19 +424,6 @@ def test_fused_drafts_equal_a_causal_recomputation(tiny):
             ref = _reference_children(model, fused, tokens, parent_path)
             assert drafts[i - 1] == int(ref[int(t.ranks[i])]), (accepted, i)
         prev, r = r, r + accepted + 1
-
-
-@pytest.mark.parametrize("tree", [chain(K), TREE, "dynamic:6,3"])
-def test_greedy_identity_with_fused_eagle_heads(tiny, tree):
-    """The loop hands fused heads their fused features (the drafter refuses any other
-    width) through prefill and every step; output stays the backbone's."""
-    model, tok = tiny
-    model.heads = new_heads(model.backbone, tok, K, architecture="eagle", scale=0.3, seed=5, fuse_layers=FUSE)
-    for prompt in ("The quick brown fox", "Speculative decoding drafts several tokens"):
-        ids = tok.encode(prompt)
-        ref = mlx_lm_greedy(model.backbone, tok, ids, 40)
-        got, _ = ours(model, tok, ids, 40, tree=tree)
-        assert_greedy_identical(model, ids, got, ref)
 
 
 def test_train_fused_eagle_learns_and_unrolls_like_drafting(tiny):

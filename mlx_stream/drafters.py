@@ -206,10 +206,26 @@ class HeadsDrafter:
         top = _topk(logits, self._k)[self._head_idx, self._rank_idx]
         return (top if self._ids is None else self._ids[top]).astype(mx.int32)
 
-    def _draft_conditioned(self, hidden, root: int, noise=None) -> mx.array:
+    def draft_queued(self, hidden: mx.array, root: mx.array, noise=None) -> mx.array:
+        """:meth:`draft` for a step queued before the host reads its root token: ``hidden``
+        ``(H,)`` and ``root`` ``(1,)`` int32 may both still be computed by the step before
+        (no host sync).
+
+        Raises:
+            ValueError: multi-stream attention heads (they read the KV cache of the
+                accepted path, which the host has not compacted yet).
+        """
+        if self.capture is not None:
+            raise ValueError("msa heads read the compacted KV cache: they cannot draft a queued step")
+        return self.draft(hidden, [root], noise=noise)
+
+    def _draft_conditioned(self, hidden, root, noise=None) -> mx.array:
         heads, out = self.model.heads, []
         state = hidden.astype(mx.float32)[None]  # (1, H): level 0 is the root
-        toks = mx.array([root], dtype=mx.int32)
+        if isinstance(root, mx.array):  # (1,): a step queued before its root reached the host
+            toks = root.reshape(1).astype(mx.int32)
+        else:
+            toks = mx.array([root], dtype=mx.int32)
         for d, (k, prow, crow, rank) in enumerate(self._levels, start=1):
             s = heads.step(d, state[prow], self.model.embed(toks[prow]))  # (n_parents, H)
             logits = self.model.project(s, self._rows)

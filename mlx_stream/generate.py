@@ -33,7 +33,7 @@ from .drafters import AcceptanceObserver, Drafter, LookupDrafter, NoDrafter, Ste
 from .sampling import DraftNoise, GumbelNoise, LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
 from .tree import Tree, no_drafts
-from .verify import verify_greedy
+from .verify import accepted_node, verify_greedy
 
 
 @dataclass
@@ -328,10 +328,12 @@ class _TreeVerifier:
         self.skip = skip  # leading history tokens the processors do not see (unknown ids)
         self.noise = None if sampling.greedy or verifier is not None else GumbelNoise(entropy, vocab_size)
 
-    def draft_noise(self, start: int) -> DraftNoise | None:
-        """The noise drafts at position ``start`` onwards are coupled with (None when greedy
-        or with a custom verifier)."""
-        return None if self.noise is None else DraftNoise(self.sampling.temp, self.noise, start)
+    def draft_noise(self, start: int, shift: mx.array | None = None, spread: int = 0) -> DraftNoise | None:
+        """The noise drafts at position ``start`` (``start + shift``, ``shift`` lazy and at
+        most ``spread``) onwards are coupled with (None when greedy or with a custom verifier)."""
+        return (
+            None if self.noise is None else DraftNoise(self.sampling.temp, self.noise, start, shift, spread)
+        )
 
     def _top(self, logprobs: mx.array) -> tuple[mx.array, mx.array] | None:
         # the k most likely tokens at every node, unsorted: (N, k) ids and log-probabilities
@@ -359,19 +361,32 @@ class _TreeVerifier:
         paths = [mx.array(p, dtype=mx.int32) for p in tree.paths]
         return process_logits(self.processors, history[self.skip :], node_tokens, paths, logits)
 
-    def targets(self, tree: Tree, node_tokens: mx.array, logits: mx.array, length: int, history=None):
+    def targets(
+        self,
+        tree: Tree,
+        node_tokens: mx.array,
+        logits: mx.array,
+        length: int,
+        history=None,
+        shift: mx.array | None = None,
+        spread: int = 0,
+    ):
         """Lazy ``(targets (N,), chosen (N,), top, logprobs (N, V))``: the target's token at
         every node (greedy or the Gumbel-max draw), its log-probability, the top
         log-probabilities (or None) and the processed log-probabilities, for the ``(N,)``
         node tokens and their ``(N, V)`` logits after ``length`` tokens (up to and including
-        the root). ``history``: those tokens, ``(length,)`` int32 (it may be lazy), needed
-        only with logits processors. No host sync."""
+        the root; ``length + shift`` for a step queued before the host knows it, ``shift``
+        a lazy ``()`` int32 of at most ``spread``). ``history``: those tokens, ``(length,)``
+        int32 (it may be lazy), needed only with logits processors. No host sync."""
         logits = self._processed(tree, node_tokens, logits, history)
         logprobs = log_softmax(logits)  # (N, V)
         if self.sampling.greedy:
             scores = logits
-        else:  # the token after a node of depth d lands at position length + d
-            g = self.noise.rows(length, tree.depth + 1)[mx.array(tree.depths, dtype=mx.int32)]
+        else:  # the token after a node of depth d lands at position length + shift + d
+            rows = mx.array(tree.depths, dtype=mx.int32)
+            if shift is not None:
+                rows = rows + shift
+            g = self.noise.rows(length, tree.depth + 1 + spread)[rows]
             scores = self.sampling.mask(logprobs) * (1.0 / self.sampling.temp) + g
         targets = mx.argmax(scores, axis=-1)
         chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
@@ -572,16 +587,18 @@ def _decode_step(
 
 @dataclass
 class _InFlight:
-    """A plain step queued on the device (``mx.async_eval``) and not yet read back."""
+    """A step queued on the device (``mx.async_eval``) and not yet read back."""
 
-    root: mx.array  # (1,) int32, possibly still being computed by the step before
-    length: int  # tokens up to and including the root
-    history: mx.array | None  # (length,) int32 those tokens, only for logits processors
-    target: mx.array  # (1,) int32: the target's token after the root
-    chosen: mx.array  # (1,) its log-probability
+    tree: Tree
+    node_tokens: mx.array  # (N,) int32; the root may still be computed by the step before
+    start: int  # cache slot of the root; its tree's entries follow, then a step queued after it
+    history: mx.array | None  # (length,) int32 the tokens up to the root, only for logits processors
+    targets: mx.array  # (N,) int32: the target's token after each node
+    chosen: mx.array  # (N,) their log-probabilities
     top: tuple[mx.array, mx.array] | None
-    hidden: mx.array  # (1, H)
-    allowed: bool = False  # drafts were allowed at this step (adaptive speculation chose none)
+    hidden: mx.array  # (N, H)
+    last: mx.array  # () int32: the last accepted node, decided on the device (accepted_node)
+    allowed: bool = False  # drafts were allowed at this step (adaptive speculation chose or not)
 
 
 def _propose_step(model, cache, drafter, verify, tokens, last: _Step, depth: int, drafts_on: bool):
@@ -601,37 +618,101 @@ def _propose_step(model, cache, drafter, verify, tokens, last: _Step, depth: int
     )
 
 
-def _launch_plain(
-    model, cache: PromptCache, verify: _TreeVerifier, root: mx.array, length: int, history, kv, allowed: bool
-):
-    # one plain forward over a root that may still be lazy (the step before's target):
-    # the graph is built and queued while the device works on the step before, as
-    # mlx-lm's generate_step does; nothing is read back here
-    fam, backbone, tree = model.family, model.backbone, no_drafts()
-    positions = mx.array(cache_offset(cache.layers) + tree.depths, dtype=mx.int32)
-    mask = attention_mask(cache.layers, tree.depths, tree.mask)
-    h, _ = fam.tree_hidden(backbone, root, positions, mask, cache.layers)
-    target, chosen, top, _ = verify.targets(tree, root, fam.project(backbone, h), length, history)
+def _launch(
+    model,
+    cache: PromptCache,
+    verify: _TreeVerifier,
+    length: int,
+    root: mx.array,
+    tree: Tree,
+    drafts: mx.array,
+    kv: KVSettings,
+    allowed: bool,
+    history: mx.array | None = None,
+    prev: _InFlight | None = None,
+) -> _InFlight:
+    # one forward over a static tree (a plain step: no drafts) rooted at `root` (1,),
+    # queued and not read back, as mlx-lm's generate_step queues plain steps. `length`:
+    # the tokens up to and including the root. With `prev`, the step in flight before
+    # it, the root is prev's next token (still lazy) and `length` is the tokens up to
+    # prev's root + 1: what depends on how many of prev's drafts are accepted stays on
+    # the device (the root's position, the mask hiding prev's rejected entries, the
+    # noise rows); the host compacts prev's entries once it reads prev (_finish)
+    fam, backbone = model.family, model.backbone
+    node_tokens = mx.concatenate([root.astype(mx.int32), drafts.astype(mx.int32)])
+    shift, spread, mask = None, 0, attention_mask(cache.layers, tree.depths, tree.mask)
+    if prev is not None and prev.tree.size > 1:
+        shift, spread = mx.array(prev.tree.depths, dtype=mx.int32)[prev.last], prev.tree.depth
+        seen = mx.array(prev.tree.mask)[prev.last]  # (N_prev,) prev's accepted path
+        n, head = tree.size, prev.start
+        mask = mx.concatenate(
+            [
+                mx.ones((n, head), dtype=mx.bool_),
+                mx.broadcast_to(seen, (n, prev.tree.size)),
+                mx.array(tree.mask),
+            ],
+            axis=1,
+        )
+    positions = (length - 1 if shift is None else shift + (length - 1)) + mx.array(
+        tree.depths, dtype=mx.int32
+    )
+    h, _ = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers)
+    targets, chosen, top, _ = verify.targets(
+        tree, node_tokens, fam.project(backbone, h), length, history, shift, spread
+    )
+    last = accepted_node(tree, node_tokens, targets)
     quantize_cache(cache.layers, kv.bits, kv.group_size, kv.start)
-    mx.async_eval(target, chosen, top, h, [c.state for c in cache.layers])
-    return _InFlight(root, length, history, target, chosen, top, h, allowed)
+    mx.async_eval(node_tokens, targets, chosen, top, h, last, [c.state for c in cache.layers])
+    start = cache_offset(cache.layers) - tree.size
+    return _InFlight(tree, node_tokens, start, history, targets, chosen, top, h, last, allowed)
 
 
-def _finish_plain(step: _InFlight, cache: PromptCache, verify: _TreeVerifier) -> _Step:
-    # the one host sync of a plain step
-    mx.eval(step.root, step.target, step.chosen, step.top)
-    root = step.root.item()
-    cache.tokens.append(root)
+def _finish(step: _InFlight, cache: PromptCache, verify: _TreeVerifier) -> _Step:
+    # the one host sync of a queued step: its accepted path, kept in the cache, with the
+    # entries of a step queued after it moved down behind that path
+    mx.eval(step.node_tokens, step.targets, step.chosen, step.top, step.last)
+    toks = step.node_tokens.tolist()
+    path, nxt = verify_greedy(step.tree, toks, step.targets.tolist())
+    if path[-1] != step.last.item():  # a step queued after this one was built on `last`
+        raise RuntimeError(f"device acceptance {step.last.item()} differs from the host's path {path}")
+    n = step.tree.size
+    after = cache_offset(cache.layers) - step.start - n
+    keep_path(cache.layers, step.start, path + list(range(n, n + after)))
+    cache.tokens.extend(toks[i] for i in path)
+    chosen = step.chosen.tolist()
     return _Step(
-        no_drafts(),
-        [root],
-        [0],
-        step.target.item(),
-        step.chosen.tolist(),
-        verify._top_rows(step.top, [0]),
-        step.hidden[0],
+        step.tree,
+        toks,
+        path,
+        nxt,
+        [chosen[i] for i in path],
+        verify._top_rows(step.top, path),
+        step.hidden[path[-1]],
         None,
     )
+
+
+def _queue_after(model, cache, verify, tokens, prev: _InFlight, queued, spare: int, drafts_on: bool, kv):
+    # the step after `prev` (in flight), queued before prev is read back: rooted at prev's
+    # next token, drafted by `queued` (a static drafter that drafts from lazy inputs) from
+    # the hidden state at prev's last accepted node, at most `spare` deep
+    root = prev.targets[prev.last].reshape(1).astype(mx.int32)
+    if drafts_on:
+        tree = queued.tree.truncate(spare)
+        shift = mx.array(prev.tree.depths, dtype=mx.int32)[prev.last] if prev.tree.size > 1 else None
+        noise = verify.draft_noise(len(tokens) + 1, shift, prev.tree.depth)
+        drafts = queued.draft_queued(prev.hidden[prev.last], root, noise=noise)[: tree.size - 1]
+    else:
+        tree, drafts = no_drafts(), mx.zeros((0,), dtype=mx.int32)
+    hist = None if prev.history is None else mx.concatenate([prev.history, root])
+    return _launch(model, cache, verify, len(tokens) + 1, root, tree, drafts, kv, spare >= 1, hist, prev)
+
+
+def _queued_drafter(drafter):
+    # the static drafter that drafts a step queued before its root reaches the host, or None
+    base = drafter.base if isinstance(drafter, LookupDrafter) else drafter
+    ok = hasattr(base, "draft_queued") and getattr(base, "capture", None) is None
+    return base if ok else None
 
 
 def stream_generate(
@@ -816,11 +897,13 @@ def stream_generate(
     step = _Step(root, [ids[-1]], path, y, lps, tops, hidden, mid, prompt_hidden)
     prompt_tps = (len(ids) - reused) / (time.perf_counter() - tic)
 
-    # A plain step (no drafts) is queued on the device before the step before it is read
-    # back, on that step's still lazy token (mx.async_eval, as mlx-lm's generate_step), so the
-    # host builds the next graph while the device computes. Only where the next step's shape
-    # does not depend on that token: its drafts off (no drafter, or adaptive speculation
-    # chose none) and no prompt-lookup match pending (LookupDrafter.may_chain_after).
+    # A step is queued on the device before the step before it is read back (mx.async_eval,
+    # as mlx-lm's generate_step queues plain steps), so the host builds the next graph while
+    # the device computes. The queued step is rooted at the lazy next token of the one in
+    # flight; everything that depends on how many of its drafts are accepted stays on the
+    # device (_launch). Only where the queued step's shape does not depend on that: plain,
+    # or the static tree of heads that draft from lazy inputs (_queued_drafter), and no
+    # prompt-lookup match pending (LookupDrafter.may_chain_after).
     can_pipeline = (
         verifier is None
         and max_kv_size is None
@@ -828,7 +911,8 @@ def stream_generate(
         and not getattr(drafter, "reads_path", False)
         and (not isinstance(drafter, TreeProposer) or isinstance(drafter, LookupDrafter))
     )
-    in_flight: _InFlight | None = None  # a plain step queued, rooted at step.next_token
+    queued = _queued_drafter(drafter) if can_pipeline else None
+    in_flight: _InFlight | None = None  # a step queued, rooted at step.next_token
     decided: bool | None = None  # the policy's choice for the next step, when asked early
     tic = last_end = time.perf_counter()
     n_fwd = 0
@@ -856,7 +940,8 @@ def stream_generate(
             cached_tokens=reused,
         )
         if reason is not None:
-            if in_flight is not None:  # its forward wrote the last token's keys/values
+            if in_flight is not None:  # its forward wrote the root's keys/values (and its drafts')
+                trim_cache(cache.layers, len(cache.tokens) + 1)
                 cache.tokens.append(step.next_token)
             if model.datastore is not None:  # the answer joins the store of past answers
                 model.datastore.remember(emitter.tokens)
@@ -874,7 +959,10 @@ def stream_generate(
             else:  # asked already, while the step before was queued
                 drafts_on, decided = depth >= 1 and decided, None
             tree, drafts = _propose_step(model, cache, drafter, verify, tokens, step, depth, drafts_on)
-            if not (can_pipeline and tree.size == 1):
+            static = can_pipeline and (
+                tree.size == 1 or (queued is not None and tree == queued.tree.truncate(depth))
+            )
+            if not static:
                 paused = time.perf_counter()
                 yield response
                 paused = time.perf_counter() - paused
@@ -893,16 +981,18 @@ def stream_generate(
                 continue
             root = mx.array([step.next_token], dtype=mx.int32)
             hist = mx.array(tokens, dtype=mx.int32) if verify.processors else None
-            in_flight = _launch_plain(model, cache, verify, root, len(tokens), hist, kv, depth >= 1)
-        # queue the step after the one in flight where its shape is known already
-        ahead = None
-        if depth >= 1:  # room for two more tokens
-            ahead_on = depth >= 2 and (policy is None or policy.use_drafts())
+            in_flight = _launch(model, cache, verify, len(tokens), root, tree, drafts, kv, depth >= 1, hist)
+        # queue the step after the one in flight where its shape is known already: it may
+        # draft `spare` deep whatever the one in flight emits
+        ahead, spare = None, depth - in_flight.tree.depth - 1
+        if spare >= 0:
+            ahead_on = spare >= 1 and (policy is None or policy.use_drafts())
             no_chain = not isinstance(drafter, LookupDrafter) or not drafter.may_chain_after(tokens)
-            if (not ahead_on or drafter.tree.size == 1) and no_chain:
-                root = in_flight.target.astype(mx.int32)
-                hist = None if in_flight.history is None else mx.concatenate([in_flight.history, root])
-                ahead = _launch_plain(model, cache, verify, root, in_flight.length + 1, hist, kv, depth >= 2)
+            drafts_ok = not ahead_on or drafter.tree.size == 1 or queued is not None
+            history_ok = not verify.processors or in_flight.tree.size == 1  # else its length is not known
+            if no_chain and drafts_ok and history_ok:
+                on = ahead_on and drafter.tree.size > 1
+                ahead = _queue_after(model, cache, verify, tokens, in_flight, queued, spare, on, kv)
             else:
                 decided = ahead_on
         paused = time.perf_counter()
@@ -912,14 +1002,18 @@ def stream_generate(
             trim_cache(cache.layers, len(cache.tokens))
             raise
         paused = time.perf_counter() - paused
-        step = _finish_plain(in_flight, cache, verify)
+        step = _finish(in_flight, cache, verify)
+        if ahead is not None:  # its entries now follow the accepted path
+            ahead.start = in_flight.start + len(step.path)
         end = time.perf_counter()
         took = end - last_end - paused
         if policy is not None and in_flight.allowed:
-            policy.observe(False, took, 1)
+            policy.observe(in_flight.tree.size > 1, took, len(step.path))
         if isinstance(drafter, StepTimer):
-            drafter.observe_time(1, took)
+            drafter.observe_time(in_flight.tree.size, took)
         last_end = end
+        if in_flight.tree.size > 1 and isinstance(drafter, AcceptanceObserver):
+            drafter.observe(step.tree, step.node_tokens, step.emitted)
         in_flight = ahead
         n_fwd += 1
 

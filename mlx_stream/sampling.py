@@ -214,17 +214,26 @@ class DraftNoise:
         temp: the target's sampling temperature (> 0); draft scores are divided by it.
         noise: the run's :class:`GumbelNoise`.
         start: the position of the tokens drafted at depth 1 (the root's position + 1).
+        shift: for a step queued before the host knows its root's position: ``()`` int32
+            (lazy), the position is ``start + shift``; None: ``start``.
+        spread: the largest ``shift`` may be.
     """
 
     temp: float
     noise: GumbelNoise
     start: int
+    shift: mx.array | None = None
+    spread: int = 0
 
     def perturb(self, logits: mx.array, depth: int, ids: mx.array | None = None) -> mx.array:
         """``(..., V')`` draft logits at tree depth ``depth`` (>= 1) -> ``logits / temp +
         g``, ``g`` the noise of that depth's position restricted to the token ids ``ids``
         (``(V',)``; None: the whole vocabulary). Their argmax (top-k) are the drafts."""
-        g = self.noise.row(self.start + depth - 1)
+        pos = self.start + depth - 1
+        if self.shift is None:
+            g = self.noise.row(pos)
+        else:  # every position the shift may give, then the one it gives (on the device)
+            g = mx.stack([self.noise.row(pos + k) for k in range(self.spread + 1)])[self.shift]
         if ids is not None:
             g = g[ids]
         return logits.astype(mx.float32) * (1.0 / self.temp) + g

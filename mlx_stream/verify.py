@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import mlx.core as mx
 import numpy as np
 
 from .tree import Tree
@@ -46,6 +47,36 @@ def verify_greedy(tree: Tree, tokens: Sequence[int], targets: Sequence[int]) -> 
         at the last of them.
     """
     return _longest_path(tree, tokens, lambda node: int(targets[node]))
+
+
+def accepted_node(tree: Tree, tokens: mx.array, targets: mx.array) -> mx.array:
+    """:func:`verify_greedy` on the device, for a step queued before the host reads it.
+
+    The accepted nodes are those whose every draft on the path from the root equals
+    the target's token at its parent; the result is the deepest of them, the later one
+    in depth-first order (the later sibling) on ties, as :func:`verify_greedy` keeps.
+    Needs a tree whose node order is depth-first order within each depth, as
+    :func:`~mlx_stream.tree.build_tree` makes (breadth-first by path).
+
+    Args:
+        tree: the tree the forward pass ran over (N nodes).
+        tokens: ``(N,)`` int32 node tokens (``tokens[0]`` is the root), may be lazy.
+        targets: ``(N,)`` int the target's token at each node, may be lazy.
+
+    Returns:
+        ``()`` int32 (lazy): the last node of the accepted path; its depth + 1 is the
+        number of tokens the step emits and ``targets[node]`` the next token.
+    """
+    n = tree.size
+    if n == 1:
+        return mx.array(0, dtype=mx.int32)
+    parents = mx.array(tree.parents[1:], dtype=mx.int32)
+    match = tokens[1:] == targets[parents]  # (N - 1,) each draft equals its parent's target
+    ok = mx.concatenate([mx.array([True]), match])
+    for _ in range(tree.depth - 1):  # after d rounds, nodes of depth <= d + 1 are exact
+        ok = mx.concatenate([mx.array([True]), match & ok[parents]])
+    score = mx.array(tree.depths * n + np.arange(n), dtype=mx.int32)
+    return mx.argmax(mx.where(ok, score, -1)).astype(mx.int32)
 
 
 def verify_sample(

@@ -299,3 +299,55 @@ def test_a_generator_closed_with_steps_queued_leaves_the_cache_exact(tiny_ref):
     )
     turn2 = ids + got + tok.encode(" more")
     assert ours(model, tok, turn2, 12, prompt_cache=cache)[0] == ours(model, tok, turn2, 12)[0]
+
+
+@pytest.mark.parametrize("arch, scale", [("hydra", 0.1), ("residual", 0.2)])
+def test_drafting_steps_queued_ahead_keep_the_output_and_the_cache(spread_dir, arch, scale):
+    # with the heads' static tree, step t + 1 (its root, position, drafts, mask and noise
+    # all still on the device) is queued before step t is read back. Heads that accept all,
+    # some and none of their drafts in turn: greedy equals mlx-lm, seeded sampling equals
+    # seeded plain decoding, and a stop with a step in flight leaves the cache exact
+    from mlx_stream import load
+    from mlx_stream.cache import cache_offset
+
+    model, tok = load(str(spread_dir), dtype="float32")
+    model.heads = new_heads(model.backbone, tok, K, scale=scale, seed=3, architecture=arch)
+    kw = {"adaptive": False, "prompt_lookup": 0}
+    counts = set()
+    for p in ["The quick brown fox", "heads, trees!"]:
+        ids = tok.encode(p)
+        ref = mlx_lm_greedy(model, tok, ids, 48)
+        for tree in (chain(K), sparse(K)):
+            got, rs = ours(model, tok, ids, 48, tree=tree, **kw)
+            assert got == ref
+            counts |= {r.accepted for r in rs[1:]}
+            for seed in (0, 1):
+                plain, _ = ours(model, tok, ids, 48, temp=1.0, seed=seed)
+                assert ours(model, tok, ids, 48, tree=tree, temp=1.0, seed=seed, **kw)[0] == plain
+            text = tok.decode(ref)
+            cache = PromptCache(model)
+            stop = text[len(text) // 2 : len(text) // 2 + 3]
+            got, rs = ours(model, tok, ids, 48, tree=tree, prompt_cache=cache, stop=stop, **kw)
+            assert rs[-1].finish_reason == "stop"
+            assert cache_offset(cache.layers) == len(cache.tokens)
+            assert cache.tokens == ids + ref[: len(cache.tokens) - len(ids)]
+            turn2 = ids + got + tok.encode(" then")
+            assert ours(model, tok, turn2, 16, prompt_cache=cache)[0] == ours(model, tok, turn2, 16)[0]
+    assert {0, K} <= counts or {0, 1} <= counts  # rejected drafts and accepted ones were both queued after
+
+
+def test_device_acceptance_is_the_host_walk():
+    # the acceptance a queued step is built on equals verify_greedy, duplicate siblings included
+    import numpy as np
+
+    from mlx_stream.tree import parse_tree
+    from mlx_stream.verify import accepted_node, verify_greedy
+
+    rng = np.random.default_rng(0)
+    for spec in ["0", "0;1", "0;1;0,0", "0;1;2;0,0;0,1;1,0;0,0,0", "0;0,0;0,0,0"]:
+        tree = parse_tree(spec, 4)
+        for _ in range(200):
+            toks, targets = rng.integers(0, 3, tree.size), rng.integers(0, 3, tree.size)
+            path, _ = verify_greedy(tree, toks.tolist(), targets.tolist())
+            node = accepted_node(tree, mx.array(toks, dtype=mx.int32), mx.array(targets, dtype=mx.int32))
+            assert node.item() == path[-1]

@@ -653,9 +653,8 @@ def _launch(
             ],
             axis=1,
         )
-    positions = (length - 1 if shift is None else shift + (length - 1)) + mx.array(
-        tree.depths, dtype=mx.int32
-    )
+    root_position = length - 1 if shift is None else shift + (length - 1)
+    positions = root_position + mx.array(tree.depths, dtype=mx.int32)
     h, _ = fam.tree_hidden(backbone, node_tokens, positions, mask, cache.layers)
     targets, chosen, top, _ = verify.targets(
         tree, node_tokens, fam.project(backbone, h), length, history, shift, spread

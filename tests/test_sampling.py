@@ -68,9 +68,9 @@ def exact_bins(model, tok, ids, sampling, processors, n):
     return bins
 
 
-def sample_outcomes(model, tok, ids, kw, processors, n, verifier=None):
+def sample_outcomes(model, tok, ids, kw, processors, n, verifier=None, drafter=None, max_tokens=TOKENS + 1):
     (eos_id,) = tok.eos_token_ids
-    drafter = SelfDrafter(model, parse_tree(TREE, 2))
+    drafter = drafter if drafter is not None else SelfDrafter(model, parse_tree(TREE, 2))
     counts = {}
     for seed in range(n):
         toks, eos = [], False
@@ -78,7 +78,7 @@ def sample_outcomes(model, tok, ids, kw, processors, n, verifier=None):
             model,
             tok,
             ids,
-            max_tokens=TOKENS + 1,
+            max_tokens=max_tokens,
             drafter=drafter,
             seed=seed,
             logits_processors=processors,
@@ -114,6 +114,33 @@ def test_sampled_tokens_follow_the_plain_distribution(spread, name):
     )
     assert len(bins) >= 20  # the test has bins to speak of
     assert p > ALPHA, f"{name}: speculative sampling differs from plain sampling (chi2 {stat:.1f}, p {p:.2e})"
+
+
+@pytest.mark.slow  # a chi-square test: minutes (make test-all)
+def test_sampled_tokens_follow_the_plain_distribution_with_queued_drafting_steps(spread):
+    # the heads' static tree: a drafting step is queued before the step before it is read
+    # back (its root, position, coupled drafts and noise on the device); 7 tokens are
+    # generated, so the first 3 also come from steps queued after a drafting step (5,000
+    # runs, as the biased verifiers' test: the slow tier's time)
+    from mlx_stream.drafters import HeadsDrafter
+
+    model, tok, ids = spread
+    kw = {"temp": 1.0}
+    heads, model.heads = model.heads, new_heads(model.backbone, tok, 2, scale=0.0, seed=3)
+    try:
+        drafter = HeadsDrafter(model, parse_tree("0;1;0,0", 2))
+        accepted = sum(
+            r.accepted for r in stream_generate(model, tok, ids, 40, drafter=drafter, seed=0, **kw)
+        )
+        assert accepted >= 5  # drafts are accepted, so queued steps follow accepted and rejected ones
+        bins = exact_bins(model, tok, ids, SamplingParams(**kw), [], N_BIASED)
+        counts = sample_outcomes(model, tok, ids, kw, [], N_BIASED, drafter=drafter, max_tokens=TOKENS + 4)
+    finally:
+        model.heads = heads
+    stat, p, dof = chi_square(counts, bins, N_BIASED)
+    print(f"\nqueued drafting steps, T=1: chi2 {stat:.1f}, dof {dof}, p {p:.3f}")
+    assert len(bins) >= 20
+    assert p > ALPHA, f"queued drafting steps differ from plain sampling (chi2 {stat:.1f}, p {p:.2e})"
 
 
 def greedy_acceptance(tree, tokens, probs, uniforms):

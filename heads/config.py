@@ -38,6 +38,10 @@ class HeadConfig:
         tree: the draft tree these heads decode with when none is asked for, as rank
             paths (``"0;1;0,0"``, see :func:`mlx_stream.tree.parse_tree`); empty means
             the default sparse tree.
+        sampled_tree: the draft tree when sampling (temperature > 0) and none is asked
+            for; empty means ``tree``. Sampled drafts are accepted less often than greedy
+            ones, and where a drafting step costs little more than a plain one, more
+            siblings per depth pay there first.
         tree_taus: candidate trees and the tau each implies on held-out data
             (``{"0;1;0,0": 1.69, ...}``, written by training); ``tree="auto"`` picks the
             one with the best tau / cost on the device at hand
@@ -69,6 +73,7 @@ class HeadConfig:
     layer_spec: dict = field(default_factory=dict)
     stream_copies: bool = False
     fuse_layers: list = field(default_factory=list)
+    sampled_tree: str = ""
 
     def __post_init__(self):
         if self.num_layers < 1:

@@ -53,7 +53,8 @@ _TREE = typer.Option(
     "'dynamic:N[,W]', EAGLE-2's dynamic tree of at most N nodes ('dynamic:auto': N that pays most on this "
     "device), or 'budget' (each step's tree chosen "
     "across the heads, prompt lookup and the datastore by estimated acceptance and this device's "
-    "measured costs). Default: the tree stored with the heads.",
+    "measured costs). Default: the tree stored with the heads (their sampled_tree, if they store "
+    "one, when --temp > 0).",
 )
 _LOOKUP = typer.Option(
     None,

@@ -763,10 +763,10 @@ def stream_generate(
             bias, ...), applied at every tree node with that node's own history.
         tree: the draft tree when drafting with the model's heads
             (:func:`mlx_stream.speculation.resolve_tree`: ``None`` is the tree stored
-            with the heads, ``"auto"`` the fastest on this device, or a preset or rank
-            paths); ignored without heads. ``"budget"``: each step's tree budgeted across
-            the heads, prompt lookup and the datastore
-            (:class:`~mlx_stream.budget.BudgetDrafter`).
+            with the heads (their ``sampled_tree`` when sampling), ``"auto"`` the fastest
+            on this device, or a preset or rank paths); ignored without heads.
+            ``"budget"``: each step's tree budgeted across the heads, prompt lookup and
+            the datastore (:class:`~mlx_stream.budget.BudgetDrafter`).
         drafter: a custom :class:`~mlx_stream.drafters.Drafter` (overrides ``tree`` and
             ``prompt_lookup``).
         stop: stop string(s); output ends before the first occurrence.
@@ -857,7 +857,11 @@ def stream_generate(
         )
     if adaptive is None:
         adaptive = drafter is None
-    drafter = drafter if drafter is not None else make_drafter(model, tree, prompt_lookup)
+    drafter = (
+        drafter
+        if drafter is not None
+        else make_drafter(model, tree, prompt_lookup, sampled=not sampling.greedy)
+    )
     if kv_bits is not None and not isinstance(drafter, NoDrafter):
         raise ValueError(
             "kv_bits cannot be combined with drafting: a draft tree's keys come from one batched "

@@ -113,7 +113,9 @@ def resolve_tree(model, spec: TreeSpec = None) -> Tree:
     return parse_tree(spec, heads.num_heads)
 
 
-def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None, store=None) -> Drafter:
+def make_drafter(
+    model, tree: TreeSpec = None, prompt_lookup: int | None = None, store=None, sampled: bool = False
+) -> Drafter:
     """The drafter for ``model``: its stream heads filling ``tree`` (or nothing without
     heads), with prompt lookup's chain beside them.
 
@@ -136,6 +138,9 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None,
             context has no match (only with prompt lookup on); ``None``: the model's
             own (``model.datastore``: the heads' store and this machine's answers);
             ``False``: none.
+        sampled: the drafts serve sampled decoding (temperature > 0): ``tree=None`` is
+            then the heads' ``sampled_tree`` where they store one
+            (:class:`~mlx_stream.heads.HeadConfig`).
 
     Raises:
         ValueError: a bad tree spec or ``prompt_lookup``, or a dynamic tree without eagle heads.
@@ -145,8 +150,9 @@ def make_drafter(model, tree: TreeSpec = None, prompt_lookup: int | None = None,
         store = getattr(model, "datastore", None)
     if is_budget(tree):
         return _budget_drafter(model, prompt_lookup, store or None)
-    if tree is None and model.heads is not None and model.heads.config.tree:
-        tree = model.heads.config.tree
+    if tree is None and model.heads is not None:
+        cfg = model.heads.config
+        tree = (cfg.sampled_tree if sampled and cfg.sampled_tree else cfg.tree) or None
     dyn = dynamic_spec(tree) if model.heads is not None else None
     if dyn is not None:
         if not model.heads.autoregressive:

@@ -351,3 +351,24 @@ def test_device_acceptance_is_the_host_walk():
             path, _ = verify_greedy(tree, toks.tolist(), targets.tolist())
             node = accepted_node(tree, mx.array(toks, dtype=mx.int32), mx.array(targets, dtype=mx.int32))
             assert node.item() == path[-1]
+
+
+def test_sampling_drafts_with_the_heads_sampled_tree(tiny_ref, tmp_path):
+    # heads that store a sampled_tree draft with it when sampling, and with `tree` when
+    # greedy; a tree asked for overrides both; the field survives save and load
+    from mlx_stream.heads import HeadConfig, load_heads, save_heads
+
+    model, tok, refs = tiny_ref
+    model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=3)
+    model.heads.config.tree, model.heads.config.sampled_tree = "0", "0;1;0,0"
+    ids, ref = refs[0]
+    kw = {"adaptive": False, "prompt_lookup": 0}
+    greedy, rs = ours(model, tok, ids, 24, **kw)
+    assert greedy == ref[:24] and {r.drafted for r in rs[1:-1]} == {1}
+    _, rs = ours(model, tok, ids, 24, temp=1.0, seed=0, **kw)
+    assert {r.drafted for r in rs[1:-2]} == {3}
+    _, rs = ours(model, tok, ids, 24, temp=1.0, seed=0, tree="0;1", **kw)
+    assert {r.drafted for r in rs[1:-2]} == {2}
+    save_heads(model.heads, tmp_path / "heads")
+    assert HeadConfig.from_file(tmp_path / "heads" / "config.json").sampled_tree == "0;1;0,0"
+    assert load_heads(tmp_path / "heads").config.sampled_tree == "0;1;0,0"

@@ -61,10 +61,11 @@ lint: $(VENV)/.installed-test
 # interruption), each within 3 hours on a 2-core CPU, each on new Magpie prompts (seeds 0, 2, 4)
 # and continuing the heads of the one before: 151,697 + 303,806 + 337,487 = 792,990 distinct
 # training positions. Then copied into the package data with the tree chosen end to end with
-# `mlx-stream bench` (README, "Stream heads for the default model").
+# `mlx-stream bench` (README, "Stream heads for the default model"), greedy and sampled (T = 0.7).
 HEADS_RUN ?= runs/smollm2-135m-instruct
 HEADS_COMMON ?= --workers 2 --max-tokens 192 --num-heads 4
 HEADS_TREE ?= 0
+HEADS_SAMPLED_TREE ?= 0;1;0,0
 heads: setup
 	$(RUN_ENV) $(VENV)/bin/mlx-stream train --out $(HEADS_RUN)-1 --resume $(HEADS_COMMON) \
 	  --synthesize 1000 --epochs 2
@@ -78,8 +79,8 @@ heads: setup
 	cp -r $(HEADS_RUN)-3/heads mlx_stream/data/heads/smollm2-135m-instruct
 	cp $(HEADS_RUN)-3/report.json mlx_stream/data/heads/smollm2-135m-instruct/report.json
 	$(PY) -c "import json, sys; p = sys.argv[1]; c = json.load(open(p)); c['tree'] = sys.argv[2]; \
-	  json.dump(c, open(p, 'w'), indent=2, sort_keys=True)" \
-	  mlx_stream/data/heads/smollm2-135m-instruct/config.json "$(HEADS_TREE)"
+	  c['sampled_tree'] = sys.argv[3]; json.dump(c, open(p, 'w'), indent=2, sort_keys=True)" \
+	  mlx_stream/data/heads/smollm2-135m-instruct/config.json "$(HEADS_TREE)" "$(HEADS_SAMPLED_TREE)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -757,3 +757,46 @@ def propose(
     else:
         drafts = drafter.draft(hidden, tokens, mid=mid, cache=cache, **kw)
     return tree, drafts[: tree.size - 1].astype(mx.int32)
+
+
+def queues_steps(drafter) -> bool:
+    """Whether the decode loop may queue ``drafter``'s steps before the step before is
+    read back: plain steps, and steps whose tree is its static one (not for heads that
+    read the KV cache or every verified position, nor for trees that change per step,
+    except a :class:`LookupDrafter`'s when no chain joins)."""
+    return (
+        getattr(drafter, "capture", None) is None
+        and not getattr(drafter, "reads_path", False)
+        and (not isinstance(drafter, TreeProposer) or isinstance(drafter, LookupDrafter))
+    )
+
+
+def queued_drafter(drafter):
+    """The static drafter that drafts a step the decode loop queues before its root token
+    reaches the host (:meth:`HeadsDrafter.draft_queued`): ``drafter`` itself, or the base
+    of a :class:`LookupDrafter`; None when it has none (dynamic trees, heads that read the
+    KV cache or every verified position)."""
+    base = drafter.base if isinstance(drafter, LookupDrafter) else drafter
+    ok = hasattr(base, "draft_queued") and getattr(base, "capture", None) is None
+    return base if ok and not getattr(base, "reads_path", False) else None
+
+
+def queued_tree(drafter, queued, tokens: Sequence[int], spare: int, drafts_on: bool) -> Tree | None:
+    """The tree of the step after the one in flight, when the loop may queue it before
+    reading the one in flight back; None when it must wait for the host.
+
+    The step in flight is rooted at ``tokens[-1]`` and leaves the next step at least
+    ``spare`` tokens of depth (< 0: no room for a next step that it knows of). The next
+    step drafts ``queued``'s static tree truncated to ``spare`` (plain when
+    ``drafts_on`` is False, ``spare < 1`` or the drafter drafts nothing); it waits when a
+    prompt-lookup chain may join it (:meth:`LookupDrafter.may_chain_after`, which counts
+    the gate's skips) or when it should draft and ``queued`` is None
+    (:func:`queued_drafter`). Shared by :func:`mlx_stream.stream_generate` and the greedy
+    replay (``train/replay.py``), so that the two take the same steps."""
+    if spare < 0:
+        return None
+    if isinstance(drafter, LookupDrafter) and drafter.may_chain_after(tokens):
+        return None
+    if not (drafts_on and spare >= 1 and drafter.tree.size > 1):
+        return no_drafts()
+    return None if queued is None else queued.tree.truncate(spare)

@@ -29,7 +29,16 @@ from .cache import (
     quantize_cache,
     trim_cache,
 )
-from .drafters import AcceptanceObserver, Drafter, LookupDrafter, NoDrafter, StepTimer, TreeProposer, propose
+from .drafters import (
+    AcceptanceObserver,
+    Drafter,
+    NoDrafter,
+    StepTimer,
+    propose,
+    queued_drafter,
+    queued_tree,
+    queues_steps,
+)
 from .sampling import DraftNoise, GumbelNoise, LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
 from .tree import Tree, no_drafts
@@ -691,27 +700,19 @@ def _finish(step: _InFlight, cache: PromptCache, verify: _TreeVerifier) -> _Step
     )
 
 
-def _queue_after(model, cache, verify, tokens, prev: _InFlight, queued, spare: int, drafts_on: bool, kv):
+def _queue_after(model, cache, verify, tokens, prev: _InFlight, queued, tree: Tree, allowed: bool, kv):
     # the step after `prev` (in flight), queued before prev is read back: rooted at prev's
-    # next token, drafted by `queued` (a static drafter that drafts from lazy inputs) from
-    # the hidden state at prev's last accepted node, at most `spare` deep
+    # next token, `tree` (queued_tree) drafted by `queued` (a static drafter that drafts
+    # from lazy inputs) from the hidden state at prev's last accepted node
     root = prev.targets[prev.last].reshape(1).astype(mx.int32)
-    if drafts_on:
-        tree = queued.tree.truncate(spare)
+    if tree.size > 1:
         shift = mx.array(prev.tree.depths, dtype=mx.int32)[prev.last] if prev.tree.size > 1 else None
         noise = verify.draft_noise(len(tokens) + 1, shift, prev.tree.depth)
         drafts = queued.draft_queued(prev.hidden[prev.last], root, noise=noise)[: tree.size - 1]
     else:
-        tree, drafts = no_drafts(), mx.zeros((0,), dtype=mx.int32)
+        drafts = mx.zeros((0,), dtype=mx.int32)
     hist = None if prev.history is None else mx.concatenate([prev.history, root])
-    return _launch(model, cache, verify, len(tokens) + 1, root, tree, drafts, kv, spare >= 1, hist, prev)
-
-
-def _queued_drafter(drafter):
-    # the static drafter that drafts a step queued before its root reaches the host, or None
-    base = drafter.base if isinstance(drafter, LookupDrafter) else drafter
-    ok = hasattr(base, "draft_queued") and getattr(base, "capture", None) is None
-    return base if ok else None
+    return _launch(model, cache, verify, len(tokens) + 1, root, tree, drafts, kv, allowed, hist, prev)
 
 
 def stream_generate(
@@ -905,16 +906,10 @@ def stream_generate(
     # the device computes. The queued step is rooted at the lazy next token of the one in
     # flight; everything that depends on how many of its drafts are accepted stays on the
     # device (_launch). Only where the queued step's shape does not depend on that: plain,
-    # or the static tree of heads that draft from lazy inputs (_queued_drafter), and no
+    # or the static tree of heads that draft from lazy inputs (queued_drafter), and no
     # prompt-lookup match pending (LookupDrafter.may_chain_after).
-    can_pipeline = (
-        verifier is None
-        and max_kv_size is None
-        and getattr(drafter, "capture", None) is None
-        and not getattr(drafter, "reads_path", False)
-        and (not isinstance(drafter, TreeProposer) or isinstance(drafter, LookupDrafter))
-    )
-    queued = _queued_drafter(drafter) if can_pipeline else None
+    can_pipeline = verifier is None and max_kv_size is None and queues_steps(drafter)
+    queued = queued_drafter(drafter) if can_pipeline else None
     in_flight: _InFlight | None = None  # a step queued, rooted at step.next_token
     decided: bool | None = None  # the policy's choice for the next step, when asked early
     tic = last_end = time.perf_counter()
@@ -990,12 +985,11 @@ def stream_generate(
         ahead, spare = None, depth - in_flight.tree.depth - 1
         if spare >= 0:
             ahead_on = spare >= 1 and (policy is None or policy.use_drafts())
-            no_chain = not isinstance(drafter, LookupDrafter) or not drafter.may_chain_after(tokens)
-            drafts_ok = not ahead_on or drafter.tree.size == 1 or queued is not None
+            ahead_tree = queued_tree(drafter, queued, tokens, spare, ahead_on)
             history_ok = not verify.processors or in_flight.tree.size == 1  # else its length is not known
-            if no_chain and drafts_ok and history_ok:
-                on = ahead_on and drafter.tree.size > 1
-                ahead = _queue_after(model, cache, verify, tokens, in_flight, queued, spare, on, kv)
+            if ahead_tree is not None and history_ok:
+                allowed = spare >= 1
+                ahead = _queue_after(model, cache, verify, tokens, in_flight, queued, ahead_tree, allowed, kv)
             else:
                 decided = ahead_on
         paused = time.perf_counter()

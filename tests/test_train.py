@@ -415,6 +415,28 @@ def test_loss_spread_over_streams_equals_one_stream(tiny, kl):
         np.testing.assert_allclose(np.array(many[2][k]), np.array(v), atol=1e-5)
 
 
+def test_replay_takes_the_loops_queued_steps_and_lookup_chains(tiny_dir):
+    # the loop queues a step over the heads' static tree before the step before is read
+    # back unless a prompt-lookup chain may join it; the replay takes the same steps
+    from mlx_stream import load
+    from mlx_stream.bench import Decoding, decode_items
+    from mlx_stream.drafters import LookupDrafter
+    from mlx_stream.speculation import make_drafter
+    from mlx_stream.train.replay import replay_items
+
+    model, tok = load(str(tiny_dir), dtype="float32")
+    model.heads = new_heads(model.backbone, tok, 3, scale=0.1, seed=3)
+    assert isinstance(make_drafter(model, "0;0,0", None), LookupDrafter)  # prompt lookup is on
+    items = [{"prompt": p, "group": "g", "category": "c"} for p in ("Count:", "ab ab ab", "The quick brown")]
+    for tree in ("0", "0;1;0,0"):  # tree 0: the replay without the queued steps made 5 passes, not 6
+        got = replay_items(model, tok, items, 40, tree=tree)
+        ref = decode_items(model, tok, items, Decoding(40, tree, None))
+        assert [(r["tokens"], r["forward_passes"]) for r in got] == [
+            (pytest.approx(r["tokens"]), r["forward_passes"]) for r in ref
+        ], tree
+        assert sum(r["tokens"] for r in got) > 1.3 * sum(r["forward_passes"] for r in got)
+
+
 def test_replay_sequence_walks_the_tree_as_the_loop_does(tiny):
     from mlx_stream import OracleDrafter
     from mlx_stream.train.replay import replay_sequence

@@ -9,7 +9,9 @@ sequence as :func:`mlx_stream.stream_generate` would: at every step the drafter 
 same object the loop uses: heads, tree, prompt lookup and its acceptance gate)
 proposes a tree from the hidden state of the last accepted token, the longest
 path that spells the next output tokens is accepted, the target's next token
-follows it, and the drafter is told what was accepted.
+follows it, and the drafter is told what was accepted. A step the loop queues
+before the step before it is read back (:func:`mlx_stream.drafters.queued_tree`)
+drafts the heads' static tree without a prompt-lookup chain here too.
 
 Two approximations, both in near-ties only: batched generation can pick a different
 greedy token than single-sequence decoding (fp32 round-off), and the heads read
@@ -24,9 +26,10 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_stream.drafters import AcceptanceObserver, propose
+from mlx_stream.drafters import AcceptanceObserver, propose, queued_drafter, queued_tree, queues_steps
 from mlx_stream.prompts import prompt_ids
 from mlx_stream.speculation import dynamic_spec, is_budget, make_drafter, resolve_tree
+from mlx_stream.tree import Tree
 
 from .generation import generate_batch
 
@@ -72,6 +75,11 @@ def replay_sequence(
     output = [int(t) for t in output]
     tokens = list(prompt) + output[:1]
     n, passes = 1, 0
+    # the loop queues a step before the step before it is read back where it can
+    # (queued_tree): such a step drafts the static tree and no prompt-lookup chain
+    queues = queues_steps(drafter)
+    queued = queued_drafter(drafter) if queues else None
+    ahead: Tree | None = None  # the tree of a step queued while the one before was in flight
     while n < len(output):
         depth = max_tokens - n - 1
         if path:
@@ -80,8 +88,16 @@ def replay_sequence(
             done = r
         else:
             h = mx.array(hidden[n - 1], dtype=mx.float32)
-        tree, drafts = propose(drafter, h, tokens, depth)
-        node_tokens = [tokens[-1], *drafts.tolist()]
+        if ahead is None:
+            tree, drafts = propose(drafter, h, tokens, depth)
+            drafts = drafts.tolist()
+            own = queued.tree.truncate(depth) if queued is not None else None  # no chain joined
+            static = queues and (tree.size == 1 or tree == own)
+        else:  # queued: the static tree, drafted as the loop drafts it (no chain)
+            tree, static = ahead, True
+            drafts = propose(queued, h, tokens, tree.depth)[1].tolist() if tree.size > 1 else []
+        ahead = queued_tree(drafter, queued, tokens, depth - tree.depth - 1, True) if static else None
+        node_tokens = [tokens[-1], *drafts]
         ok = [True] + [False] * (tree.size - 1)
         best = 0
         for i in range(1, tree.size):

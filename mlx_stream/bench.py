@@ -189,15 +189,16 @@ def side_by_side(
         progress: called with each prompt's result.
 
     Returns:
-        :func:`summary`'s dict plus ``tree``, ``tree_auto``, ``forward_cost`` and, with
-        ``oracle``, ``oracle_ceiling``.
+        :func:`summary`'s dict plus ``tree``, ``tree_auto``, ``forward_cost``, with
+        ``oracle`` ``oracle_ceiling``, and without a tree (nor the oracle) ``stored_tree``:
+        the tree the heads store for this decoding (greedy or sampled), None for their default.
 
     Raises:
         ValueError: the oracle with sampling or with ``tree="auto"``, or a bad tree.
     """
     from .autotree import auto_tree
     from .drafters import OracleDrafter
-    from .speculation import is_auto, resolve_tree
+    from .speculation import is_auto, resolve_tree, stored_tree
 
     make, shape, chosen = None, None, None
     if oracle:
@@ -242,6 +243,8 @@ def side_by_side(
         cost = {int(k) if k.isdigit() else k: v for k, v in cost.items()}
     res = summary(mine, groups)
     res |= {"tree": decoding.tree, "tree_auto": chosen, "forward_cost": {str(k): v for k, v in cost.items()}}
+    if decoding.tree is None and not oracle:  # the tree the heads store (greedy or sampled)
+        res["stored_tree"] = stored_tree(model, sampled=not decoding.greedy)
     if oracle:
         # every rank-0 draft is accepted: tau / c(N) is what a loop without overhead would reach
         ceiling = res["median_tau"] / cost[shape.size]
@@ -424,11 +427,12 @@ def write_report(res: dict, out: str | Path) -> list[Path]:
 
     env = res.get("environment", {})
     ident = "n/a (sampled)" if res.get("identical") is None else f"{res['identical']}/{res['prompts']}"
+    stored = f" (the heads' stored tree `{res['stored_tree']}`)" if res.get("stored_tree") else ""
     lines = [
         "# mlx-stream bench",
         "",
         f"- model `{res.get('model')}`, heads `{res.get('heads')}`, drafter `{res.get('drafter')}`, "
-        f"tree `{res.get('tree')}`, dtype {res.get('dtype')}, max_tokens {res.get('max_tokens')}, "
+        f"tree `{res.get('tree')}`{stored}, dtype {res.get('dtype')}, max_tokens {res.get('max_tokens')}, "
         f"sampling {res.get('sampling') or 'greedy'}, prompt lookup {res.get('prompt_lookup', 'default')}",
         *(
             [

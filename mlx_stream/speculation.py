@@ -113,6 +113,16 @@ def resolve_tree(model, spec: TreeSpec = None) -> Tree:
     return parse_tree(spec, heads.num_heads)
 
 
+def stored_tree(model, sampled: bool = False) -> str | None:
+    """The tree spec ``model``'s heads store for greedy decoding (their config's ``tree``)
+    or for sampling (``sampled_tree``, else ``tree``): what ``tree=None`` drafts; None
+    without heads or without a stored tree (then the heads' default tree)."""
+    if model.heads is None:
+        return None
+    cfg = model.heads.config
+    return (cfg.sampled_tree if sampled and cfg.sampled_tree else cfg.tree) or None
+
+
 def make_drafter(
     model, tree: TreeSpec = None, prompt_lookup: int | None = None, store=None, sampled: bool = False
 ) -> Drafter:
@@ -150,9 +160,8 @@ def make_drafter(
         store = getattr(model, "datastore", None)
     if is_budget(tree):
         return _budget_drafter(model, prompt_lookup, store or None)
-    if tree is None and model.heads is not None:
-        cfg = model.heads.config
-        tree = (cfg.sampled_tree if sampled and cfg.sampled_tree else cfg.tree) or None
+    if tree is None:
+        tree = stored_tree(model, sampled)
     dyn = dynamic_spec(tree) if model.heads is not None else None
     if dyn is not None:
         if not model.heads.autoregressive:

@@ -356,7 +356,9 @@ def test_device_acceptance_is_the_host_walk():
 def test_sampling_drafts_with_the_heads_sampled_tree(tiny_ref, tmp_path):
     # heads that store a sampled_tree draft with it when sampling, and with `tree` when
     # greedy; a tree asked for overrides both; the field survives save and load
+    from mlx_stream.bench import Decoding, side_by_side
     from mlx_stream.heads import HeadConfig, load_heads, save_heads
+    from mlx_stream.speculation import stored_tree
 
     model, tok, refs = tiny_ref
     model.heads = new_heads(model.backbone, tok, K, scale=0.5, seed=3)
@@ -369,6 +371,10 @@ def test_sampling_drafts_with_the_heads_sampled_tree(tiny_ref, tmp_path):
     assert {r.drafted for r in rs[1:-2]} == {3}
     _, rs = ours(model, tok, ids, 24, temp=1.0, seed=0, tree="0;1", **kw)
     assert {r.drafted for r in rs[1:-2]} == {2}
+    # what `mlx-stream bench` reports as the tree drafted with when none is asked for
+    assert stored_tree(model) == "0" and stored_tree(model, sampled=True) == "0;1;0,0"
+    res = side_by_side(model, tok, ["Hello"], Decoding(6, None, 0, {"temp": 1.0}), log=lambda s: None)
+    assert res["tree"] is None and res["stored_tree"] == "0;1;0,0"
     save_heads(model.heads, tmp_path / "heads")
     assert HeadConfig.from_file(tmp_path / "heads" / "config.json").sampled_tree == "0;1;0,0"
     assert load_heads(tmp_path / "heads").config.sampled_tree == "0;1;0,0"

@@ -781,6 +781,13 @@ def queued_drafter(drafter):
     return base if ok and not getattr(base, "reads_path", False) else None
 
 
+def is_static_step(tree: Tree, queued, depth: int) -> bool:
+    """Whether a step proposed at most ``depth`` deep drafts nothing or exactly
+    ``queued``'s static tree (no prompt-lookup chain joined): a step the loop may queue
+    the next one behind (:func:`queued_tree`)."""
+    return tree.size == 1 or (queued is not None and tree == queued.tree.truncate(depth))
+
+
 def queued_tree(drafter, queued, tokens: Sequence[int], spare: int, drafts_on: bool) -> Tree | None:
     """The tree of the step after the one in flight, when the loop may queue it before
     reading the one in flight back; None when it must wait for the host.

@@ -34,6 +34,7 @@ from .drafters import (
     Drafter,
     NoDrafter,
     StepTimer,
+    is_static_step,
     propose,
     queued_drafter,
     queued_tree,
@@ -957,9 +958,7 @@ def stream_generate(
             else:  # asked already, while the step before was queued
                 drafts_on, decided = depth >= 1 and decided, None
             tree, drafts = _propose_step(model, cache, drafter, verify, tokens, step, depth, drafts_on)
-            static = can_pipeline and (
-                tree.size == 1 or (queued is not None and tree == queued.tree.truncate(depth))
-            )
+            static = can_pipeline and is_static_step(tree, queued, depth)
             if not static:
                 paused = time.perf_counter()
                 yield response

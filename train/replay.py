@@ -26,7 +26,14 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_stream.drafters import AcceptanceObserver, propose, queued_drafter, queued_tree, queues_steps
+from mlx_stream.drafters import (
+    AcceptanceObserver,
+    is_static_step,
+    propose,
+    queued_drafter,
+    queued_tree,
+    queues_steps,
+)
 from mlx_stream.prompts import prompt_ids
 from mlx_stream.speculation import dynamic_spec, is_budget, make_drafter, resolve_tree
 from mlx_stream.tree import Tree
@@ -91,8 +98,7 @@ def replay_sequence(
         if ahead is None:
             tree, drafts = propose(drafter, h, tokens, depth)
             drafts = drafts.tolist()
-            own = queued.tree.truncate(depth) if queued is not None else None  # no chain joined
-            static = queues and (tree.size == 1 or tree == own)
+            static = queues and is_static_step(tree, queued, depth)
         else:  # queued: the static tree, drafted as the loop drafts it (no chain)
             tree, static = ahead, True
             drafts = propose(queued, h, tokens, tree.depth)[1].tolist() if tree.size > 1 else []

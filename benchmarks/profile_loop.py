@@ -2,13 +2,15 @@
 
 MLX is lazy: work runs where the host first needs a value, and MLX's functions are
 not visible to cProfile, so their time counts as the calling Python function's own
-time. The loop syncs once per step, in verification (``_TreeVerifier.__call__``: the heads' drafts, the
-forward pass, the output projection and the argmax/probabilities all run there;
-prompt lookup's chain is copied on the host and joins the drafts without a sync). So
-the profile splits a step into:
+time. The loop syncs once per step, when it reads the step back
+(``StepPipeline.finish``: what of the heads' drafts, the forward pass, the output
+projection and the argmax/probabilities did not run while the host served the step
+before is waited for there; prompt lookup's chain is copied on the host and joins the
+drafts without a sync). So the profile splits a step into:
 
-* forward (compute): ``_TreeVerifier.__call__``'s own time;
+* forward (compute): ``StepPipeline.finish``'s own time;
 * graph building (Python): ``tree_hidden`` and ``project`` (ops recorded, not run);
+* logits processing: ``TreeVerifier.judge`` (processors, log_softmax, filters, recorded);
 * drafting (graph building and prompt lookup): ``propose`` (the heads' ops recorded,
   the context searched, the chain appended);
 * verification: ``verify_greedy`` / ``verify_coupled``;
@@ -55,16 +57,13 @@ def breakdown(stats: pstats.Stats, prefill_s: float = 0.0) -> dict:
     total = cum("stream_generate", "generate.py")
     parts = {
         "prefill (compute)": prefill_s,
-        "forward (compute, synced in verification)": own("__call__", "generate.py"),
+        "forward (compute, synced when a step is read back)": own("finish", "steps.py"),
         "graph building (tree_hidden, project)": cum("tree_hidden") + cum("project", "models"),
         "drafting (heads graph + prompt lookup)": cum("propose", "drafters.py"),
         "verification (host)": cum("verify_greedy") + cum("verify_coupled"),
         "KV cache (keep_path)": cum("keep_path"),
         "text (stop strings, detokenizer)": cum("push", "generate.py"),
-        "logits processing (log_softmax, sampling filters)": cum("__call__", "generate.py")
-        - own("__call__", "generate.py")
-        - cum("verify_greedy")
-        - cum("verify_coupled"),
+        "logits processing (log_softmax, sampling filters)": cum("judge", "steps.py"),
     }
     parts["other Python"] = total - sum(parts.values())
     return {"total_s": total, "phases_s": parts}

@@ -166,7 +166,8 @@ def cache_prompt(
         ValueError: an empty or malformed prompt, a prompt longer than the context
             window, bad KV settings.
     """
-    from .generate import KVSettings, _prefill, check_kv, encode_prompt
+    from .generate import encode_prompt
+    from .steps import KVSettings, check_kv, prefill
 
     kv = KVSettings(None, kv_bits, kv_group_size, quantized_kv_start)
     args = model.backbone.args
@@ -179,7 +180,7 @@ def cache_prompt(
         raise ValueError(f"the prompt has {len(ids)} tokens but the model's context window is {ctx}")
     cache = PromptCache(model)
     # the full mlx-lm split (chunks, then the last token alone) whatever the settings
-    _prefill(
+    prefill(
         model,
         cache,
         ids,

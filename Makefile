@@ -7,7 +7,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?= -q -n 2 --durations=10
+# worksteal: an idle worker takes tests queued on the other (tests/conftest.py queues the slow
+# ones first, longest first), so the two finish together
+PYTEST_ARGS ?= -q -n 2 --dist worksteal --durations=10
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 # The mlx-cpu wheel links the reference BLAS; OpenBLAS makes float32 matmuls ~20x faster.
 # (checked when the command runs, so an OpenBLAS installed by the setup step is used at once)

@@ -30,7 +30,8 @@ from mlx_stream.defaults import (
 from mlx_stream.train.config import CONTINUED, TrainConfig
 
 app = typer.Typer(
-    help="Speculative Streaming on MLX: faster decoding with the same output, no draft model.",
+    help="Speculative Streaming on MLX: faster decoding with the same output, no draft model.\n\n"
+    "Guides: README.md and docs/ (every command and option: docs/cli.md).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -314,7 +315,10 @@ def generate(
         False, "--logprobs", help="With --json: each token's log-probability (as mlx-lm reports it)."
     ),
 ):
-    """Generate a completion for one prompt."""
+    """Generate a completion for one prompt.
+
+    Guide: docs/cli.md (drafting: docs/drafting.md, sampling: docs/sampling.md)
+    """
     from mlx_stream.generate import encode_prompt, stream_generate
 
     settings = opts.generation(max_tokens)
@@ -381,7 +385,10 @@ def chat(
     opts: DecodeOptions,
     max_tokens: int = typer.Option(CHAT_MAX_TOKENS, "--max-tokens", help="Most tokens per reply."),
 ):
-    """Multi-turn chat; the KV cache is reused across turns. /help lists the commands."""
+    """Multi-turn chat; the KV cache is reused across turns. /help lists the commands.
+
+    Guide: docs/cli.md (drafting: docs/drafting.md, sampling: docs/sampling.md)
+    """
     from mlx_stream.chat import ChatSession
     from mlx_stream.repl import run_chat
 
@@ -416,7 +423,10 @@ def cache_prompt_command(
         0, "--quantized-kv-start", help="Quantize from this many tokens on."
     ),
 ):
-    """Prefill a prompt once and save its KV cache (mlx-lm's format) for --prompt-cache-file."""
+    """Prefill a prompt once and save its KV cache (mlx-lm's format) for --prompt-cache-file.
+
+    Guide: docs/memory.md
+    """
     from mlx_stream.prompt_cache import cache_prompt, save_prompt_cache
 
     if prompt is None and system is None:
@@ -465,7 +475,10 @@ def server(
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level."),
     learn: bool | None = _LEARN,
 ):
-    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+    Guide: docs/server.md
+    """
     from mlx_stream.generate import check_generation
 
     if not 0 <= port <= 65535:
@@ -520,7 +533,10 @@ def convert(
         False, "--dequantize", help="GGUF: store float32 weights instead of quantised ones."
     ),
 ):
-    """Convert a checkpoint into an mlx-lm model folder (loadable by mlx_lm.load and mlx-stream)."""
+    """Convert a checkpoint into an mlx-lm model folder (loadable by mlx_lm.load and mlx-stream).
+
+    Guide: docs/checkpoints.md
+    """
     from pathlib import Path
 
     from mlx_stream.convert import convert_gguf, convert_hf
@@ -592,7 +608,10 @@ def bench(
 ):
     """Side-by-side against plain mlx-lm (same weights, one process, interleaved);
     greedy by default (identity checked), or sampled with the same settings. Under
-    mlx.launch the prompts are split over the ranks and rank 0 reports."""
+    mlx.launch the prompts are split over the ranks and rank 0 reports.
+
+    Guide: docs/benchmarks.md
+    """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -772,7 +791,10 @@ def train(
         True, "--tune/--no-tune", help="Store the draft tree that is fastest on this machine with the heads."
     ),
 ):
-    """Train stream heads against the frozen backbone."""
+    """Train stream heads against the frozen backbone.
+
+    Guide: docs/heads.md
+    """
     from mlx_stream.train.pipeline import check_run_settings, run
 
     base = CONTINUED if init_heads is not None else {"epochs": _TC.epochs, "lr": _TC.lr, "warmup": _TC.warmup}
@@ -848,7 +870,10 @@ def tasks(
     limit: int | None = typer.Option(None, "--limit", "-n", help="Keep the first N prompts."),
     seed: int = typer.Option(0, "--seed", help="Draw of task, template and language."),
 ):
-    """Re-pose the backbone's own answers as summarisation, passage-QA and translation prompts."""
+    """Re-pose the backbone's own answers as summarisation, passage-QA and translation prompts.
+
+    Guide: docs/heads.md
+    """
     from mlx_stream.prompts import read_jsonl
     from mlx_stream.train.data import write_jsonl
     from mlx_stream.train.tasks import derive_task_prompts
@@ -885,7 +910,10 @@ def answers_command(
 ):
     """This machine's store of a model's past answers, which drafting draws on: where it
     is and how much it holds; --clear deletes it, --add imports answers. Commands add to it
-    unless --no-learn or MLX_STREAM_LEARN=0."""
+    unless --no-learn or MLX_STREAM_LEARN=0.
+
+    Guide: docs/drafting.md
+    """
     from mlx_stream.datastore import SEP, AnswerStore, answers_path
     from mlx_stream.heads import backbone_fingerprint
     from mlx_stream.loader import cache_dir
@@ -956,7 +984,10 @@ def eval_heads(
     ),
 ):
     """Greedy decoding over Spec-Bench first turns: tau overall, per task group and per category.
-    Under mlx.launch the prompts are split over the ranks and rank 0 reports."""
+    Under mlx.launch the prompts are split over the ranks and rank 0 reports.
+
+    Guide: docs/heads.md (results: docs/benchmarks.md)
+    """
     from mlx_stream.bench import (
         Decoding,
         decode_items_in_processes,

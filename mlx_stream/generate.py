@@ -92,17 +92,31 @@ class PromptCache:
             its quantized form once ``kv_bits`` applies, or
             :class:`~mlx_stream.cache.WindowKVCache`).
         tokens: the tokens whose keys/values the cache holds, in order.
+        draft: the draft model's own cache (:class:`~mlx_stream.draft_model.DraftCache`)
+            when one drafts, else None.
     """
 
     def __init__(self, model, max_kv_size: int | None = None):
         self.backbone, self.max_kv_size = model.backbone, max_kv_size
         self.layers = make_tree_cache(model.backbone, max_kv_size)
         self.tokens: list[int] = []
+        self.draft = None
 
     def reset(self) -> None:
         """Forget everything."""
         self.layers[:] = make_tree_cache(self.backbone, self.max_kv_size)
         self.tokens = []
+        self.draft = None
+
+    def draft_cache(self, draft_model):
+        """The cache of ``draft_model`` (a :class:`~mlx_stream.draft_model.DraftModel`)
+        that goes with this one: made on first use, kept across calls (it follows the
+        tokens it is given), replaced when another draft model asks."""
+        from .draft_model import DraftCache
+
+        if self.draft is None or self.draft.draft is not draft_model:
+            self.draft = DraftCache(draft_model)
+        return self.draft
 
     @property
     def quantization(self) -> tuple[int, int] | None:
@@ -434,7 +448,8 @@ def stream_generate(
     # caller and builds the next graph. Where the step after it has a shape known before
     # its acceptance is read (StepPipeline.queue_after), that one is queued too.
     tic = last_end = time.perf_counter()
-    tokens, in_flight, n_fwd = list(ids), None, 0  # prompt + output, the root last; a step launched
+    tokens = list(ids)  # prompt + output; the root (the last emitted token) is last
+    in_flight, n_fwd = None, 0  # the step launched and not read back; decoding passes so far
     while True:
         tokens.extend(step.emitted)
         room = (ctx - len(tokens)) if ctx is not None else None  # tokens that may still follow

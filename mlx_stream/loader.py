@@ -233,6 +233,7 @@ def load(
     heads: str | Path | nn.Module | None = DEFAULT_HEADS,
     dtype: str = "auto",
     learn: bool | str = False,
+    draft_model=None,
 ):
     """Load a backbone and its stream heads: by default the heads shipped for the model
     (speculation on, as the command line); ``heads=None`` for plain decoding.
@@ -259,6 +260,9 @@ def load(
             add each generation's answer to it (as ``mlx-stream chat`` and ``generate``
             do); ``"read"``: draft from it without adding (benchmarks); ``False``
             (default): leave it alone. Only answers are stored, never prompts.
+        draft_model: a separate draft model that drafts instead of the heads
+            (:func:`load_draft`): a spec of any form ``model`` takes, or an already
+            loaded ``(model, tokenizer)`` pair; None (default): none.
 
     Returns:
         ``(model, tokenizer)``: a :class:`SpeculativeModel` and mlx-lm's
@@ -268,7 +272,8 @@ def load(
         FileNotFoundError, ValueError: see :func:`resolve_model_path`,
             :func:`cast_backbone` and :func:`mlx_stream.heads.load_heads` (heads
             trained for another backbone are refused); a heads folder's datastore
-            that is unreadable or built for another tokenizer; a bad ``learn``.
+            that is unreadable or built for another tokenizer; a bad ``learn``; a
+            draft model whose tokenizer differs from the target's (:func:`load_draft`).
     """
     from .datastore import STORE_FILE, AnswerStore, DraftStore, answers_path, load_store
     from .heads import StreamHeads, backbone_fingerprint, load_heads
@@ -300,7 +305,61 @@ def load(
                 f"backbone is {fp}"
             )
     sm = SpeculativeModel(backbone, heads)
+    if draft_model is not None:
+        sm.draft_model = load_draft(draft_model, sm, tokenizer, dtype)
     hist = AnswerStore(answers_path(fp, cache_dir()), fp["tokenizer"]) if learn else None
     if shipped is not None or hist is not None:
         sm.datastore = DraftStore(shipped, hist, learn=learn is True)
     return sm, tokenizer
+
+
+def load_draft(spec, target, tokenizer, dtype: str = "auto"):
+    """Load a draft model for ``target`` (Leviathan et al. 2023; mlx-lm's ``--draft-model``).
+
+    Args:
+        spec: any form :func:`load` takes for ``model`` (alias, mlx-lm folder, ``.gguf``,
+            Hugging Face repo id), or an already loaded ``(model, tokenizer)`` pair
+            (an mlx-lm model or a :class:`SpeculativeModel`).
+        target: the :class:`SpeculativeModel` it drafts for.
+        tokenizer: the target's tokenizer.
+        dtype: the target's ``dtype``; a quantized draft keeps its stored weights (a
+            quantized copy of a float target is the classic draft), a float draft takes
+            the target's dtype.
+
+    Returns:
+        a :class:`~mlx_stream.draft_model.DraftModel`.
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`resolve_model_path`; a draft whose
+            tokenizer or special tokens differ from the target's (the first difference
+            named, :func:`~mlx_stream.draft_model.check_draft_tokenizer`), before any
+            decoding.
+    """
+    from .draft_model import DraftModel, check_draft_tokenizer
+
+    if isinstance(spec, tuple) and len(spec) == 2:
+        backbone, draft_tok = spec
+        backbone = getattr(backbone, "backbone", backbone)
+        name = type(backbone).__name__
+    elif isinstance(spec, (str, Path)):
+        path = resolve_model_path(spec)
+        try:
+            backbone, draft_tok = _load_backbone(path)
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{path}: cannot load this draft model folder ({e})") from e
+        quantized = any(
+            isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in backbone.named_modules()
+        )
+        if not quantized:
+            backbone = cast_backbone(backbone, dtype)
+        name = str(spec)
+    else:
+        raise TypeError(
+            f"draft_model must be a model spec (alias, folder, .gguf, Hugging Face id) or a "
+            f"(model, tokenizer) pair, got {type(spec).__name__}"
+        )
+    vocab = check_draft_tokenizer(tokenizer, draft_tok, target.args.vocab_size, backbone.args.vocab_size)
+    from .cache import make_tree_cache
+
+    make_tree_cache(backbone)  # refuses caches that cannot be rewound, before any decoding
+    return DraftModel(backbone, vocab, name)

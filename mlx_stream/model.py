@@ -22,6 +22,8 @@ class SpeculativeModel(nn.Module):
         datastore: the :class:`~mlx_stream.datastore.DraftStore` of past answers that
             prompt lookup's chains also draft from, or ``None``
             (:func:`mlx_stream.loader.load` sets it).
+        draft_model: a :class:`~mlx_stream.draft_model.DraftModel` that drafts instead
+            of the heads, or ``None`` (``load(..., draft_model=)`` sets it).
     """
 
     def __init__(self, backbone: nn.Module, heads: nn.Module | None = None):
@@ -30,6 +32,7 @@ class SpeculativeModel(nn.Module):
         self.heads = heads
         self.family = family(backbone)
         self.datastore = None
+        self.draft_model = None
 
     def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
         return self.backbone(inputs, cache=cache, **kwargs)

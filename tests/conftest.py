@@ -107,10 +107,68 @@ def tiny(tiny_dir):
 
 @pytest.fixture(scope="session")
 def real():
-    """The default model, float32 (the converted GGUF, dequantised exactly)."""
+    """The default model, float32 (the converted GGUF, dequantised exactly), loaded once per
+    worker: tests that attach heads or a datastore to it take them off again."""
     from mlx_stream import load
 
     try:
         return load("smollm2-135m-instruct", heads=None, dtype="float32")
     except FileNotFoundError as e:
         pytest.fail(f"the default model is part of the test setup (make test): {e}")
+
+
+@pytest.fixture(scope="session")
+def shipped(real):
+    """``(heads, datastore)`` shipped for the default model, as ``load(heads="default")``
+    reads them (the heads checked against the backbone's fingerprint), once per worker."""
+    from mlx_stream.datastore import STORE_FILE, load_store
+    from mlx_stream.heads import backbone_fingerprint, load_heads
+    from mlx_stream.loader import default_heads_path
+
+    model, tok = real
+    path = default_heads_path("smollm2-135m-instruct")
+    assert path is not None, "the package ships heads for the default model"
+    fp = backbone_fingerprint(model.backbone, tok)
+    return load_heads(path, fp), load_store(path / STORE_FILE, fp["tokenizer"])  # refuse another backbone
+
+
+# Under pytest-xdist (make test / make test-all: `-n 2 --dist worksteal`) the slow tests
+# run first, longest first: each worker starts on its share of the collection, an idle one
+# takes the tail of the other's (the quick tests, then the shortest slow ones), so the two
+# finish together instead of one running a chi-square test while the other waits. Rough
+# seconds on a 2-core CPU with both workers busy, used for the order only (a test not
+# listed counts SLOW_DEFAULT_S); a wrong value costs time, never a check.
+SLOW_S = {
+    "test_sampling.py::test_sampled_tokens_follow_the_plain_distribution": 330,
+    "test_sampling.py::test_sampled_tokens_follow_the_plain_distribution_with_queued_drafting_steps": 170,
+    "test_kv.py::test_real_model_max_kv_size_equals_mlx_lm[256]": 260,
+    "test_real_identity.py::test_greedy_identity_real": 120,
+    "test_cli.py::test_answers_grow_with_generate_show_add_and_clear": 100,
+    "test_cli.py::test_train_end_to_end_and_resume": 90,
+    "test_cli.py::test_train_killed_at_any_point_resumes_to_the_same_heads": 80,
+    "test_kv.py::test_real_model_max_kv_size_equals_mlx_lm[64]": 80,
+    "test_distributed.py::test_train_under_mlx_launch_equals_one_rank_and_resumes_after_a_rank_is_killed": 50,
+    "test_server.py::test_real_model_streamed_greedy_text_equals_generate": 60,
+    "test_kv.py::test_real_model_kv_bits_equals_mlx_lm": 50,
+    "test_real_identity.py::test_greedy_identity_real_with_processors": 50,
+    "test_real_identity.py::test_replay_matches_the_loop": 50,
+    "test_sampling.py::test_the_same_test_rejects_a_biased_verifier": 40,
+    "test_distributed.py::test_bench_under_mlx_launch_splits_the_prompts": 30,
+    "test_train.py::test_resume_after_kill_matches_uninterrupted": 2,
+}
+SLOW_DEFAULT_S = 60
+
+
+def _expected_s(item) -> float:
+    name = f"{item.path.name}::{item.name}"
+    return SLOW_S.get(name, SLOW_S.get(name.split("[")[0], SLOW_DEFAULT_S))
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: the files' order (module fixtures set up once)
+    slow = [it for it in items if it.get_closest_marker("slow")]
+    rest = [it for it in items if not it.get_closest_marker("slow")]
+    slow.sort(key=_expected_s, reverse=True)  # stable: equal estimates keep the files' order
+    items[:] = slow + rest  # the same order on every worker (xdist checks)

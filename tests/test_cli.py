@@ -490,21 +490,23 @@ def test_train_killed_at_any_point_resumes_to_the_same_heads(tiny_dir, tmp_path)
     from safetensors.numpy import load_file
 
     data = tmp_path / "d.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"prompt": p}) + "\n"
-            for p in [
-                "The quick brown fox",
-                "heads, trees!",
-                "0123 café",
-                "drafts",
-                "Speculative decoding",
-                "naïve café",
-                "streams and trees",
-                "fox jumps",
-            ]
-        )
-    )
+    rows = [
+        {"prompt": p}
+        for p in [
+            "The quick brown fox",
+            "heads, trees!",
+            "0123 café",
+            "drafts",
+            "Speculative decoding",
+            "naïve café",
+            "streams and trees",
+            "fox jumps",
+        ]
+    ]
+    # the tiny model answers every prompt with one token repeated, which its heads predict
+    # from the start (a loss of 0: they would end where they began); a raw text they learn
+    rows.append({"text": "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens."})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def args(out):
         return [
@@ -534,6 +536,8 @@ def test_train_killed_at_any_point_resumes_to_the_same_heads(tiny_dir, tmp_path)
     assert ref.returncode == 0, ref.stderr
     wall = time.perf_counter() - tic
     want = load_file(str(tmp_path / "ref" / "heads" / "heads.safetensors"))
+    moved = max(float(np.abs(v.astype(np.float32)).max()) for k, v in want.items() if ".out." in k)
+    assert moved > 0.02, moved  # the output layers start at zero: trained far past the tolerance
     for i, frac in enumerate((0.3, 0.6, 0.85)):
         out = tmp_path / f"run{i}"
         p = subprocess.Popen(

@@ -140,6 +140,22 @@ def _prompts(path: Path) -> Path:
     return path
 
 
+def _training_data(path: Path) -> Path:
+    """The prompts (their answers self-distilled, split between the ranks) and two raw
+    texts: the tiny model answers every prompt with one token repeated, which its heads
+    predict from the start (a loss of 0: alone, the heads would end where they began), so
+    the texts are what they learn; 100 steps of batch 8 in 4 epochs."""
+    _prompts(path)
+    texts = [
+        "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens "
+        "and verifies them in one pass.",
+        "0123456789 naïve café — streams, heads, trees! The lazy dog sleeps while the quick brown fox jumps.",
+    ]
+    with path.open("a") as f:
+        f.write("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
 def _train_args(tiny_dir, data, out, *more):
     return [
         "train",
@@ -171,16 +187,19 @@ def _heads(out: Path) -> dict:
     return {k: v.astype(np.float32) for k, v in load_file(str(out / "heads" / "heads.safetensors")).items()}
 
 
-@pytest.mark.slow  # two `mlx-stream train` runs under mlx.launch, one killed (make test-all)
+@pytest.mark.slow  # `mlx-stream train` under mlx.launch, a rank killed and resumed (make test-all)
 def test_train_under_mlx_launch_equals_one_rank_and_resumes_after_a_rank_is_killed(tiny_dir, tmp_path):
-    data = _prompts(tmp_path / "d.jsonl")
-    args = _train_args(tiny_dir, data, tmp_path / "one", "--epochs", "40")
+    data = _training_data(tmp_path / "d.jsonl")
+    args = _train_args(tiny_dir, data, tmp_path / "one", "--epochs", "4")
     one = subprocess.run([EXE, *args], capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr
-    args = _train_args(tiny_dir, data, tmp_path / "two", "--epochs", "40")
+    args = _train_args(tiny_dir, data, tmp_path / "two", "--epochs", "4")
     two = subprocess.run(_launch(2, args), capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr
     a, b = _heads(tmp_path / "one"), _heads(tmp_path / "two")
+    # the heads' output layers start at zero: they trained, far past the tolerance below
+    moved = max(float(np.abs(v).max()) for k, v in b.items() if ".out." in k)
+    assert moved > 0.02, moved
     for k in a:  # float16 on disk
         np.testing.assert_allclose(a[k], b[k], atol=1e-3, err_msg=k)
     for name in ("train.jsonl", "valid.jsonl"):
@@ -196,13 +215,14 @@ def test_train_under_mlx_launch_equals_one_rank_and_resumes_after_a_rank_is_kill
     # rank 1 SIGKILLed once training has written a checkpoint: the launcher ends rank 0,
     # nothing half-written is left, and --resume finishes with the uninterrupted heads
     out = tmp_path / "killed"
-    args = _train_args(tiny_dir, data, out, "--epochs", "40")
+    args = _train_args(tiny_dir, data, out, "--epochs", "4")
     p = subprocess.Popen(_launch(2, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
+    deadline, pid = time.time() + 300, None
     while not (out / "checkpoint").is_dir() and time.time() < deadline and p.poll() is None:
-        time.sleep(0.05)
+        pid = pid or _find_rank_pid(1, str(out))  # found before the checkpoint: killed at once
+        time.sleep(0.01 if pid else 0.1)
     assert (out / "checkpoint").is_dir(), "no checkpoint was written"
-    os.kill(_rank_pid(1, str(out)), signal.SIGKILL)
+    os.kill(pid or _rank_pid(1, str(out)), signal.SIGKILL)
     _, err = p.communicate(timeout=60)  # bounded: the other rank does not wait forever
     # (mlx.launch reports a killed rank and ends the others, but exits 0 itself)
     assert "rank 1 exited with code -9" in err and not (out / "heads").exists(), err
@@ -214,7 +234,7 @@ def test_train_under_mlx_launch_equals_one_rank_and_resumes_after_a_rank_is_kill
     assert not (out / "checkpoint").exists()
 
 
-def _rank_pid(rank: int, marker: str) -> int:
+def _find_rank_pid(rank: int, marker: str) -> int | None:
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -225,7 +245,13 @@ def _rank_pid(rank: int, marker: str) -> int:
             continue
         if f"MLX_RANK={rank}".encode() in env and marker.encode() in cmd and b"train" in cmd:
             return int(d.name)
-    raise AssertionError(f"rank {rank} not found")
+    return None
+
+
+def _rank_pid(rank: int, marker: str) -> int:
+    pid = _find_rank_pid(rank, marker)
+    assert pid is not None, f"rank {rank} not found"
+    return pid
 
 
 def test_a_rank_that_cannot_connect_fails_with_a_message(tiny_dir, tmp_path):

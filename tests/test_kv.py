@@ -144,9 +144,18 @@ def test_bad_kv_settings_are_refused_before_anything_runs(wide, spread_model):
 
 # The tiny random models' greedy outputs hardly depend on distant context (a window or a
 # quantized cache changes nothing), so the identities that can fail are on the real model.
-@pytest.fixture(scope="module")
-def real_heads():
-    return load("smollm2-135m-instruct", heads="default", dtype="float32")
+@pytest.fixture()
+def real_heads(real, shipped):
+    """The default model as ``load("smollm2-135m-instruct", heads="default", dtype="float32")``
+    gives it (the shipped heads and datastore, read only), made of the worker's loaded model."""
+    from mlx_stream.datastore import DraftStore
+
+    model, tok = real
+    model.heads, model.datastore = shipped[0], DraftStore(shipped[1], None, learn=False)
+    try:
+        yield model, tok
+    finally:
+        model.heads = model.datastore = None
 
 
 def _chat_ids(tok, text):
@@ -157,16 +166,34 @@ def _chat_ids(tok, text):
 REAL_PROMPT = "Write a long story about a lighthouse keeper and a storm, with many details."
 
 
+@pytest.fixture(scope="session")  # the worker's model: kept while other files' tests run between
+def real_plain(real):
+    """``plain(n)``: plain mlx-lm's first ``n`` greedy tokens after REAL_PROMPT with an
+    unbounded, unquantized cache, computed once per worker for the longest ``n`` asked so
+    far: greedy decoding emits the same first tokens whatever ``max_tokens`` is, so a
+    shorter reference is a prefix of a longer one."""
+    model, tok = real
+    ids = _chat_ids(tok, REAL_PROMPT)
+    longest = {"n": 0, "tokens": []}
+
+    def plain(n):
+        if n > longest["n"]:
+            longest.update(n=n, tokens=mlx_lm_tokens(model, tok, ids, n))
+        return longest["tokens"][:n]
+
+    return plain
+
+
 @pytest.mark.slow  # the tiny-model tests above run in the quick tier
 @pytest.mark.parametrize("window", [64, 256])
-def test_real_model_max_kv_size_equals_mlx_lm(real_heads, window):
+def test_real_model_max_kv_size_equals_mlx_lm(real_heads, real_plain, window):
     model, tok = real_heads
     ids = _chat_ids(tok, REAL_PROMPT)
     n = 3 * window + 10 - len(ids)
     ref = mlx_lm_tokens(model, tok, ids, n, max_kv_size=window)
     assert len(ids) + len(ref) > 3 * window
     if window == 64:  # the window changes the output (at 256 this story comes out the same)
-        assert ref != mlx_lm_tokens(model, tok, ids, n)
+        assert ref != real_plain(n)
     got, rs = ours(model, tok, ids, n, max_kv_size=window)
     assert got == ref
     assert rs[-1].tau > 1.0  # drafting stayed on
@@ -174,13 +201,13 @@ def test_real_model_max_kv_size_equals_mlx_lm(real_heads, window):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
-def test_real_model_kv_bits_equals_mlx_lm(real_heads, bits):
+def test_real_model_kv_bits_equals_mlx_lm(real_heads, real_plain, bits):
     model, tok = real_heads
     ids = _chat_ids(tok, REAL_PROMPT)
     kv = {"kv_bits": bits, "kv_group_size": 64, "quantized_kv_start": 40}
     ref = mlx_lm_tokens(model, tok, ids, 120, **kv)
     if bits == 4:
-        assert ref != mlx_lm_tokens(model, tok, ids, 120)  # 4-bit keys change the output
+        assert ref != real_plain(120)  # 4-bit keys change the output
     cache = PromptCache(model)
     got, _ = ours(model, tok, ids, 120, prompt_cache=cache, drafter=NoDrafter(), **kv)  # plain only
     assert got == ref

@@ -45,6 +45,7 @@ LAYERS = [
             "mlx_stream.drafters",
             "mlx_stream.budget",
             "mlx_stream.speculation",
+            "mlx_stream.draft_model",
             "mlx_stream.steps",
             "mlx_stream.generate",
             "mlx_stream.chat",

@@ -1,9 +1,13 @@
 """Lossless greedy decoding on the real default model (SmolLM2-135M-Instruct, float32):
 with the shipped trained heads (their own tree; with the shipped datastore, and the tree
 budgeted across heads, prompt lookup and the datastore), random heads, an untrained EAGLE-style
-draft layer (a chain and a dynamic tree), an oracle drafter and a drafter wrong at every
-depth, the output equals plain mlx-lm's greedy output token for token, 128 tokens: the
-defaults and the oracle on all 20 prompts, each of the others on 4-5 of them (CI's time)."""
+draft layer (a chain and a dynamic tree) and an oracle drafter, the output equals plain
+mlx-lm's greedy output token for token, 128 tokens: the defaults and the oracle on all 20
+prompts, each of the others on 4-5 of them (CI's time). A drafter wrong at every depth is
+tested on the tiny model (test_generate.py::test_greedy_identity_with_drafters: nothing
+accepted, the output plain greedy's); what the real model adds there, the target's token
+at a root whose drafts are all rejected, every prompt's rejected steps here check (the
+defaults', and on 5 prompts the untrained draft layer's chain of the same shape)."""
 
 import pytest
 from helpers import assert_greedy_identical, mlx_lm_greedy, ours
@@ -25,45 +29,47 @@ SHIPPED_MIN_TAU = 1.1  # broken heads give ~1.0; every built-in prompt measured 
 SHIPPED_TREE = "0;1;2;0,0;0,0,0"
 
 
-@pytest.fixture(scope="module")
-def shipped_heads(real):
-    from mlx_stream.heads import backbone_fingerprint, load_heads
-
-    model, tok = real
-    path = default_heads_path("smollm2-135m-instruct")
-    assert path is not None, "the package ships heads for the default model"
-    return load_heads(path, backbone_fingerprint(model.backbone, tok))  # refuses another backbone
+@pytest.fixture(scope="session")
+def shipped_heads(shipped):
+    return shipped[0]  # conftest: loaded once per worker, checked against the backbone
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # seeded: the same heads whenever made
 def random_heads(real):
     model, tok = real
     return new_heads(model.backbone, tok, K, scale=0.02, seed=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # seeded: the same heads whenever made
 def eagle_heads(real):
     # an untrained EAGLE-style draft layer (a copy of the top layer, random input projection)
     model, tok = real
     return new_heads(model.backbone, tok, K, architecture="eagle", seed=0)
 
 
+@pytest.fixture(scope="session")
+def plain_refs():
+    """``{prompt index: plain mlx-lm's MAX_TOKENS greedy tokens}`` as test_greedy_identity_real
+    computed them on this worker; a shorter plain reference of the same prompt is a prefix."""
+    return {}
+
+
 @pytest.mark.real
 @pytest.mark.parametrize(
     "i", [i if i in QUICK else pytest.param(i, marks=pytest.mark.slow) for i in range(len(PROMPTS))]
 )
-def test_greedy_identity_real(real, shipped_heads, random_heads, eagle_heads, i):
+def test_greedy_identity_real(real, shipped_heads, random_heads, eagle_heads, plain_refs, i):
     # every prompt: the defaults (the shipped heads, their tree, drafting steps queued) and
     # the oracle. The quick prompt also: the budgeted tree. The slow tier's prompts also, in
     # turn (prompt i: group i % 4, so that each runs on 4-5 prompts, CI's time kept):
     # 0: the shipped heads' larger tree (and its tau), random heads; 1: the shipped
     # datastore (the budgeted tree and the defaults), an untrained draft layer's chain;
-    # 2: its dynamic tree (EAGLE-2); 3: a drafter wrong at every depth
+    # 2: its dynamic tree (EAGLE-2); 3: nothing more (see the module's docstring)
     model, tok = real
     quick = i in QUICK
     group = None if quick else i % 4
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i]}], add_generation_prompt=True)
-    ref = mlx_lm_greedy(model, tok, ids, MAX_TOKENS)
+    ref = plain_refs[i] = mlx_lm_greedy(model, tok, ids, MAX_TOKENS)
     assert len(ref) == MAX_TOKENS, "the prompts are chosen to give answers of at least 128 tokens"
     V = model.args.vocab_size
     try:
@@ -96,18 +102,12 @@ def test_greedy_identity_real(real, shipped_heads, random_heads, eagle_heads, i)
     got, rs = ours(model, tok, ids, MAX_TOKENS, drafter=OracleDrafter(len(ids), ref, sparse(K), V))
     assert_greedy_identical(model, ids, got, ref)
     assert rs[-1].tau > 3.0 or len(ref) < MAX_TOKENS
-    if group == 3:
-        got, rs = ours(
-            model, tok, ids, MAX_TOKENS, drafter=OracleDrafter(len(ids), ref, chain(K), V, wrong=True)
-        )
-        assert_greedy_identical(model, ids, got, ref)
-        assert sum(r.accepted for r in rs) == 0
 
 
 @pytest.mark.real
 @pytest.mark.slow  # the quick tier checks processors on the tiny model (test_sampling.py)
 @pytest.mark.parametrize("i", [0, 7])
-def test_greedy_identity_real_with_processors(real, shipped_heads, i):
+def test_greedy_identity_real_with_processors(real, shipped_heads, plain_refs, i):
     """With repetition/presence penalties and a logit bias on, the shipped heads still
     give plain mlx-lm's greedy output (same processors), and the same log-probabilities."""
     import numpy as np
@@ -120,7 +120,8 @@ def test_greedy_identity_real_with_processors(real, shipped_heads, i):
     )
     ref_lp = []
     ref = mlx_lm_greedy(model, tok, ids, 64, logits_processors=procs, logprobs=ref_lp)
-    assert ref != mlx_lm_greedy(model, tok, ids, 64)  # the processors change the text
+    plain = plain_refs[i][:64] if i in plain_refs else mlx_lm_greedy(model, tok, ids, 64)
+    assert ref != plain  # the processors change the text
     try:
         model.heads = shipped_heads
         got, rs = ours(model, tok, ids, 64, tree=SHIPPED_TREE, logits_processors=procs, adaptive=False)
@@ -141,10 +142,13 @@ def test_replay_matches_the_loop(real, shipped_heads):
     from mlx_stream.train.replay import replay_items
 
     model, tok = real
-    model.heads = shipped_heads
     items = [it for it in load_spec_bench(None, 1) if it["group"] in ("summarization", "math_reasoning")]
-    got = replay_items(model, tok, items, 48, tree=SHIPPED_TREE)
-    ref = decode_items(model, tok, items, Decoding(48, SHIPPED_TREE, None))
+    model.heads = shipped_heads
+    try:
+        got = replay_items(model, tok, items, 48, tree=SHIPPED_TREE)
+        ref = decode_items(model, tok, items, Decoding(48, SHIPPED_TREE, None))
+    finally:
+        model.heads = None  # the worker's model is shared
     assert [(r["tokens"], r["forward_passes"]) for r in got] == [
         (pytest.approx(r["tokens"]), r["forward_passes"]) for r in ref
     ]

@@ -20,15 +20,24 @@ from mlx_stream.tree import parse_tree
 from mlx_stream.verify import sample_index
 
 N_SAMPLES = 20_000
-N_BIASED = 5_000
+N_QUEUED = 5_000
+N_BIASED = 2_000  # p 0 and 7e-81 here for the two biased verifiers (no_residual: 4e-32 at 1,000)
 TOKENS = 3  # the joint distribution of the first 3 generated tokens is tested
 TREE = "0;1;0,0;0,1"  # two candidates at depth 1, two more under the first
 ALPHA = 0.01
 
+# The loop draws every sampled token the same way whatever the setting (TreeVerifier.judge):
+# the processors at each node (if any), then SamplingParams.mask, the temperature and the
+# position's Gumbel noise; exact_bins uses SamplingParams.distribution with the same mask.
+# So two settings cover the loop: a temperature with a filter that cuts the support, and a
+# processor. The settings dropped as redundant, and what covers them:
+#   T=1 (no filter, no processor): the queued drafting steps' test below (that distribution
+#     exactly, 5,000 runs) and repetition_penalty=1.3 (T=1, nothing masked, 20,000 runs);
+#   top_k=5: T=0.7,top_p=0.9 (a mask that cuts the support, 20,000 runs), and what top-k
+#     (any mask) does to a tree's (N, V) rows against one sequential (1, V) row:
+#     test_masks_act_on_each_row_as_on_one_row (quick tier).
 SETTINGS = {
-    "T=1": ({"temp": 1.0}, None),
     "T=0.7,top_p=0.9": ({"temp": 0.7, "top_p": 0.9}, None),
-    "top_k=5": ({"temp": 1.0, "top_k": 5}, None),
     "repetition_penalty=1.3": ({"temp": 1.0}, 1.3),
 }
 
@@ -74,7 +83,7 @@ def sample_outcomes(model, tok, ids, kw, processors, n, verifier=None, drafter=N
     counts = {}
     for seed in range(n):
         toks, eos = [], False
-        for r in stream_generate(
+        gen = stream_generate(
             model,
             tok,
             ids,
@@ -84,9 +93,13 @@ def sample_outcomes(model, tok, ids, kw, processors, n, verifier=None, drafter=N
             logits_processors=processors,
             verifier=verifier,
             **kw,
-        ):
+        )  # max_tokens past TOKENS: the steps that emit the first TOKENS draft full trees
+        for r in gen:
             toks.extend(r.tokens)
             eos = r.finish_reason == "stop"
+            if len(toks) >= TOKENS:  # the outcome is decided: later steps are dropped unfinished
+                break
+        gen.close()
         out = tuple(toks[:TOKENS]) + ((eos_id,) if eos and len(toks) < TOKENS else ())
         counts[out] = counts.get(out, 0) + 1
     return counts
@@ -121,7 +134,8 @@ def test_sampled_tokens_follow_the_plain_distribution_with_queued_drafting_steps
     # the heads' static tree: a drafting step is queued before the step before it is read
     # back (its root, position, coupled drafts and noise on the device); 7 tokens are
     # generated, so the first 3 also come from steps queued after a drafting step (5,000
-    # runs, as the biased verifiers' test: the slow tier's time)
+    # runs, more than the biased verifiers' test: the slow tier's time). T=1, nothing
+    # masked, no processors: also the plain temperature-1 distribution's test.
     from mlx_stream.drafters import HeadsDrafter
 
     model, tok, ids = spread
@@ -133,11 +147,11 @@ def test_sampled_tokens_follow_the_plain_distribution_with_queued_drafting_steps
             r.accepted for r in stream_generate(model, tok, ids, 40, drafter=drafter, seed=0, **kw)
         )
         assert accepted >= 5  # drafts are accepted, so queued steps follow accepted and rejected ones
-        bins = exact_bins(model, tok, ids, SamplingParams(**kw), [], N_BIASED)
-        counts = sample_outcomes(model, tok, ids, kw, [], N_BIASED, drafter=drafter, max_tokens=TOKENS + 4)
+        bins = exact_bins(model, tok, ids, SamplingParams(**kw), [], N_QUEUED)
+        counts = sample_outcomes(model, tok, ids, kw, [], N_QUEUED, drafter=drafter, max_tokens=TOKENS + 4)
     finally:
         model.heads = heads
-    stat, p, dof = chi_square(counts, bins, N_BIASED)
+    stat, p, dof = chi_square(counts, bins, N_QUEUED)
     print(f"\nqueued drafting steps, T=1: chi2 {stat:.1f}, dof {dof}, p {p:.3f}")
     assert len(bins) >= 20
     assert p > ALPHA, f"queued drafting steps differ from plain sampling (chi2 {stat:.1f}, p {p:.2e})"
@@ -206,6 +220,31 @@ def test_distribution_is_mlx_lm_samplers(kw):
     exp = np.append(p[keep], p[~keep].sum()) * N_SAMPLES
     exp, obs = exp[exp > 0], obs[exp > 0]
     assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temp": 1.0, "top_k": 5},
+        {"temp": 0.7, "top_p": 0.9},
+        {"temp": 0.8, "min_p": 0.1},
+        {"temp": 1.3, "top_p": 0.5, "top_k": 20, "min_p": 0.02},
+    ],
+)
+def test_masks_act_on_each_row_as_on_one_row(kw):
+    """The loop masks a tree's (N, V) rows at once (TreeVerifier.judge); the exact
+    distribution of the chi-square tests is one sequential (1, V) row: the same mask, row
+    by row (what the top_k=5 chi-square setting checked beside T=0.7,top_p=0.9's)."""
+    mx.random.seed(7)
+    logits = mx.random.normal((6, 50)) * mx.array([0.5, 1.0, 2.0, 3.0, 4.0, 8.0])[:, None]
+    logprobs = log_softmax(logits)
+    sp = SamplingParams(**kw)
+    rows, dist = np.array(sp.mask(logprobs)), np.array(sp.distribution(logprobs))
+    for i in range(logprobs.shape[0]):
+        one = logprobs[i : i + 1]
+        np.testing.assert_array_equal(rows[i], np.array(sp.mask(one))[0])
+        np.testing.assert_allclose(dist[i], np.array(sp.distribution(one))[0], rtol=1e-6, atol=1e-9)
+    assert len({tuple(np.flatnonzero(np.isfinite(r))) for r in rows}) > 1  # each row keeps its own tokens
 
 
 def test_processors_see_each_nodes_own_history():

@@ -1,0 +1,270 @@
+"""A separate draft model (Leviathan et al. 2023; Chen et al. 2023): checks that it may
+draft for a target.
+
+A draft model proposes token ids that the target verifies, so the two must mean the same
+thing by every id: the same token text at every id the target knows and the same special
+tokens (llama.cpp's ``common_speculative_are_compatible`` compares the vocabulary entry
+by entry; mlx-lm's ``--draft-model`` compares only the vocabulary size, which two
+different tokenizers of the same size pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .drafters import _topk, select_dynamic_tree
+from .tree import Tree, build_tree, chain, no_drafts
+
+
+def _vocab(tokenizer) -> dict[str, int]:
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper
+    return inner.get_vocab()
+
+
+def _special(tokenizer) -> dict[str, object]:
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    return {
+        "bos_token_id": getattr(inner, "bos_token_id", None),
+        "eos_token_ids": sorted(getattr(tokenizer, "eos_token_ids", None) or [inner.eos_token_id]),
+        "pad_token_id": getattr(inner, "pad_token_id", None),
+        "special tokens": sorted(getattr(inner, "all_special_tokens", []) or []),
+    }
+
+
+def check_draft_tokenizer(
+    target_tokenizer, draft_tokenizer, target_vocab_size: int, draft_vocab_size: int
+) -> int:
+    """Check that a draft model's token ids mean what the target's do.
+
+    Args:
+        target_tokenizer, draft_tokenizer: mlx-lm ``TokenizerWrapper`` (or Hugging Face
+            tokenizers).
+        target_vocab_size, draft_vocab_size: the rows of each model's embedding (a model
+            may pad its embedding past its tokenizer's vocabulary).
+
+    Returns:
+        The number of leading logits of the draft that can be drafted from:
+        ``min(target_vocab_size, draft_vocab_size)`` (a draft padded beyond the target's
+        vocabulary is cut to it).
+
+    Raises:
+        ValueError: naming the first difference: a token whose id differs (or that one
+            tokenizer lacks), a special token that differs, or a tokenizer vocabulary
+            larger than the other model's embedding.
+    """
+    tv, dv = _vocab(target_tokenizer), _vocab(draft_tokenizer)
+    if len(tv) != len(dv) or tv != dv:
+        by_id_t = {i: t for t, i in tv.items()}
+        by_id_d = {i: t for t, i in dv.items()}
+        for i in sorted(set(by_id_t) | set(by_id_d)):
+            a, b = by_id_t.get(i), by_id_d.get(i)
+            if a != b:
+                raise ValueError(
+                    f"the draft model's tokenizer differs from the target's at token id {i}: "
+                    f"target {a!r}, draft {b!r} (vocabularies of {len(tv)} and {len(dv)} tokens); "
+                    "a draft model must share the target's tokenizer (a smaller model of the same family)"
+                )
+    ts, ds = _special(target_tokenizer), _special(draft_tokenizer)
+    for key in ts:
+        if ts[key] != ds[key]:
+            raise ValueError(
+                f"the draft model's {key} differ from the target's: target {ts[key]!r}, draft {ds[key]!r}; "
+                "a draft model must share the target's tokenizer and special tokens"
+            )
+    for name, size in (("target", target_vocab_size), ("draft", draft_vocab_size)):
+        if max(tv.values(), default=-1) >= size:
+            raise ValueError(
+                f"the tokenizer has token ids up to {max(tv.values())} but the {name} model's embedding "
+                f"has {size} rows: the model and its tokenizer do not belong together"
+            )
+    return min(target_vocab_size, draft_vocab_size)
+
+
+class DraftModel:
+    """A draft model for a target: its weights, how many of its logits are drafted from,
+    and the name messages give it. It holds no decoding state: each generation's
+    :class:`DraftCache` does (in the :class:`~mlx_stream.generate.PromptCache`, so a
+    chat's turns reuse the draft's cache as they reuse the target's).
+
+    Args:
+        backbone: an mlx-lm model (llama family or OPT, as the target), any dtype or
+            quantization.
+        vocab: the leading logits drafted from (:func:`check_draft_tokenizer`).
+        name: how messages name it (its spec).
+    """
+
+    def __init__(self, backbone, vocab: int, name: str = "draft"):
+        from .models import family
+
+        self.backbone, self.family, self.vocab, self.name = backbone, family(backbone), vocab, name
+
+
+class DraftCache:
+    """A draft model's own KV cache, kept equal to the tokens it last saw.
+
+    The cache is keyed by tokens, not by steps: :meth:`sync` trims it to its longest
+    common prefix with the sequence it is given and prefills the rest, so after any
+    step (drafts accepted, rejected or all accepted), a new turn of a chat, or another
+    prompt, it holds exactly the tokens given, as a fresh prefill of them would.
+    Speculative entries written while drafting a tree are dropped (:meth:`rewind`)
+    before the step is verified.
+
+    Args:
+        draft: the :class:`DraftModel`.
+
+    Attributes:
+        layers: one :class:`~mlx_stream.cache.TreeKVCache` per layer of the draft.
+        tokens: the tokens whose keys/values ``layers`` hold, in order.
+    """
+
+    def __init__(self, draft: DraftModel):
+        from .cache import make_tree_cache
+
+        self.draft = draft
+        self.layers = make_tree_cache(draft.backbone)
+        self.tokens: list[int] = []
+
+    def sync(self, tokens: Sequence[int], step_size: int = 2048) -> mx.array:
+        """Make the cache hold exactly ``tokens`` (reusing its common prefix with them,
+        at least one token fed) and return the ``(vocab,)`` logits after the last, lazy."""
+        from .cache import trim_cache
+
+        d = self.draft
+        n, limit = 0, min(len(self.tokens), len(tokens) - 1)
+        while n < limit and self.tokens[n] == tokens[n]:
+            n += 1
+        trim_cache(self.layers, n)
+        rest = list(tokens[n:])
+        for i in range(0, len(rest), step_size):
+            h, _ = d.family.prefill_hidden(d.backbone, mx.array(rest[i : i + step_size]), self.layers)
+            if i + step_size < len(rest):
+                mx.eval([c.state for c in self.layers])
+        self.tokens = list(tokens)
+        return d.family.project(d.backbone, h[-1])[: d.vocab]
+
+    def forward(self, tokens: mx.array, positions: mx.array, mask: mx.array) -> mx.array:
+        """``(n, vocab)`` logits of ``n`` speculative entries (``(n,)`` tokens at
+        ``(n,)`` positions) written after what the cache holds; ``mask`` ``(n, held + n)``."""
+        d = self.draft
+        h, _ = d.family.tree_hidden(d.backbone, tokens, positions, mask, self.layers)
+        return d.family.project(d.backbone, h)[:, : d.vocab]
+
+    def rewind(self) -> None:
+        """Drop the speculative entries (the cache holds :attr:`tokens` again)."""
+        from .cache import trim_cache
+
+        trim_cache(self.layers, len(self.tokens))
+
+
+class DraftModelDrafter:
+    """Draft trees from a separate draft model (SpecInfer, Miao et al. 2024; Sequoia; the
+    expansion and reranking of EAGLE-2, Li et al. 2024b, sec. 4, with a draft model).
+
+    Each step the draft model's cache is brought to the context (:meth:`DraftCache.sync`,
+    one forward over the tokens accepted since the last step and the root), then the tree
+    grows one depth per batched draft forward: depth 1 holds the root's ``width`` most
+    likely children; at each deeper depth the ``width`` candidates of highest cumulative
+    draft log-probability are fed together (each attends to the context, its ancestors
+    and itself) and each proposes its ``width`` most likely children. Expansion stops
+    early once the best candidate of a depth is less likely than ``p_min`` (llama.cpp's
+    ``--draft-p-min``), so a draft that is unsure costs few forwards. The ``budget - 1``
+    candidates of highest value become the tree (:func:`~mlx_stream.drafters.select_dynamic_tree`).
+    ``width=1`` is a chain of ``depth`` tokens (mlx-lm's ``num_draft_tokens``).
+
+    When sampling, the draft's log-probabilities are perturbed by the Gumbel noise of the
+    target's draw at each position (``coupled``; :class:`~mlx_stream.sampling.DraftNoise`):
+    a draft is accepted whenever both distributions' perturbed argmax agree, about
+    as often as the two distributions agree, rather than ``sum p q`` for independent
+    draws. Verification is the target's own, so the output is lossless either way.
+
+    Args:
+        draft: the draft model's :class:`DraftCache` (its weights and its cache).
+        budget: the most nodes per tree, root included (>= 2).
+        width: children per expanded node and nodes expanded per depth (>= 1).
+        depth: the deepest draft (>= 1).
+        p_min: stop expanding below this draft probability (0: never).
+
+    Raises:
+        ValueError: a budget, width, depth or p_min out of range.
+    """
+
+    capture = None
+    reads_path = False
+    coupled = True
+
+    def __init__(
+        self, draft: DraftModel, budget: int = 8, width: int = 2, depth: int = 4, p_min: float = 0.0
+    ):
+        if budget < 2 or width < 1 or depth < 1 or not 0.0 <= p_min < 1.0:
+            raise ValueError(
+                f"draft model tree: budget must be >= 2, width >= 1, depth >= 1 and 0 <= p_min < 1, "
+                f"got {budget}, {width}, {depth}, {p_min}"
+            )
+        self.draft, self.budget, self.width, self.p_min = draft, budget, width, p_min
+        self.depth = min(depth, budget - 1)
+        self.tree = chain(self.depth)  # the deepest shape a step drafts (adaptive speculation's)
+        self._trees: dict[tuple, Tree] = {}
+
+    def _log_probs(self, logits: mx.array, d: int, noise) -> mx.array:
+        if noise is not None:
+            v = logits.shape[-1]
+            ids = None if v == noise.noise.vocab_size else mx.arange(v)
+            logits = noise.perturb(logits, d, ids)
+        logits = logits.astype(mx.float32)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def propose(
+        self, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True, noise=None
+    ) -> tuple[Tree, mx.array]:
+        """This step's tree (at most ``max_depth`` deep; ``base=False``: root only, and the
+        draft model not run) and its ``(N - 1,)`` int32 drafts in node order."""
+        depth = min(self.depth, max_depth) if base else 0
+        if depth < 1:
+            return no_drafts(), mx.zeros((0,), dtype=mx.int32)
+        k, held = self.width, len(tokens)
+        lp = self._log_probs(self.draft.sync(tokens)[None], 1, noise)[0]
+        top = _topk(lp, k)
+        toks, vals = [top], [lp[top]]
+        pars, rks = [mx.full((k,), -1, dtype=mx.int32)], [mx.arange(k, dtype=mx.int32)]
+        level_entry = mx.full((k,), -1, dtype=mx.int32)  # the speculative entry that scored each candidate
+        level0, anc = 0, mx.zeros((0, 0), dtype=mx.bool_)
+        floor = np.log(self.p_min) if self.p_min > 0 else None
+        for d in range(2, depth + 1):
+            sel = _topk(vals[-1], min(k, vals[-1].shape[0]))  # the depth's best, expanded
+            if floor is not None and vals[-1][sel[0]].item() < floor:
+                break  # the draft is unsure: further depths would rarely be accepted
+            n, E = sel.shape[0], anc.shape[0]
+            # each new entry sees its parent's entry, that entry's ancestors, and itself
+            with_self = mx.concatenate([mx.zeros((1, E), dtype=mx.bool_), anc | mx.eye(E, dtype=mx.bool_)])
+            rows = with_self[level_entry[sel] + 1]  # (n, E)
+            anc = mx.concatenate(
+                [mx.pad(anc, [(0, 0), (0, n)]), mx.concatenate([rows, mx.zeros((n, n), mx.bool_)], 1)]
+            )
+            mask = mx.concatenate(
+                [mx.ones((n, held), dtype=mx.bool_), rows, mx.eye(n, dtype=mx.bool_)], axis=1
+            )
+            pos = mx.full((n,), held + d - 2, dtype=mx.int32)
+            lp = self._log_probs(self.draft.forward(toks[-1][sel], pos, mask), d, noise)  # (n, V)
+            top = _topk(lp, k)  # (n, k)
+            toks.append(top.reshape(-1))
+            vals.append((vals[-1][sel][:, None] + mx.take_along_axis(lp, top, axis=-1)).reshape(-1))
+            pars.append(mx.repeat(level0 + sel.astype(mx.int32), k))
+            rks.append(mx.tile(mx.arange(k, dtype=mx.int32), n))
+            level0 += vals[-2].shape[0]
+            level_entry = mx.repeat(E + mx.arange(n, dtype=mx.int32), k)
+        toks, vals, pars, rks = (mx.concatenate(a) for a in (toks, vals, pars, rks))
+        mx.eval(toks, vals, pars, rks)
+        self.draft.rewind()
+        paths, picked = select_dynamic_tree(np.array(vals), np.array(pars), np.array(rks), self.budget)
+        key = tuple(paths)
+        tree = self._trees.get(key)
+        if tree is None:
+            if len(self._trees) >= 4096:
+                self._trees.clear()
+            tree = self._trees[key] = build_tree(paths)
+        where = dict(zip(paths, picked))
+        order = mx.array([where[c] for c in tree.choices], dtype=mx.int32)
+        return tree, toks[order].astype(mx.int32)

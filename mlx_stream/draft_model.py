@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .drafters import _topk, select_dynamic_tree
-from .tree import Tree, build_tree, chain, no_drafts
+from .drafters import _topk, reranked_tree
+from .tree import Tree, chain, no_drafts
 
 
 def _vocab(tokenizer) -> dict[str, int]:
@@ -258,13 +258,5 @@ class DraftModelDrafter:
         toks, vals, pars, rks = (mx.concatenate(a) for a in (toks, vals, pars, rks))
         mx.eval(toks, vals, pars, rks)
         self.draft.rewind()
-        paths, picked = select_dynamic_tree(np.array(vals), np.array(pars), np.array(rks), self.budget)
-        key = tuple(paths)
-        tree = self._trees.get(key)
-        if tree is None:
-            if len(self._trees) >= 4096:
-                self._trees.clear()
-            tree = self._trees[key] = build_tree(paths)
-        where = dict(zip(paths, picked))
-        order = mx.array([where[c] for c in tree.choices], dtype=mx.int32)
+        tree, order = reranked_tree(self._trees, vals, pars, rks, self.budget)
         return tree, toks[order].astype(mx.int32)

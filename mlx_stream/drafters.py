@@ -417,6 +417,23 @@ def select_dynamic_tree(
     return [path[c] for c in picked], picked
 
 
+def reranked_tree(
+    trees: dict, vals: mx.array, pars: mx.array, rks: mx.array, budget: int
+) -> tuple[Tree, mx.array]:
+    """The tree of the ``budget - 1`` best evaluated candidates (:func:`select_dynamic_tree`)
+    and ``(N - 1,)`` int32 candidate indices in its node order; ``trees`` caches the
+    shapes seen (a handful recur), cleared past 4096."""
+    paths, picked = select_dynamic_tree(np.array(vals), np.array(pars), np.array(rks), budget)
+    key = tuple(paths)
+    tree = trees.get(key)
+    if tree is None:
+        if len(trees) >= 4096:
+            trees.clear()
+        tree = trees[key] = build_tree(paths)
+    where = dict(zip(paths, picked))
+    return tree, mx.array([where[c] for c in tree.choices], dtype=mx.int32)
+
+
 class DynamicTreeDrafter(EagleDrafter):
     """EAGLE-2's budgeted dynamic draft tree (Li et al. 2024b, sec. 4) for eagle heads.
 
@@ -505,15 +522,7 @@ class DynamicTreeDrafter(EagleDrafter):
         if self._ids is not None:
             toks = self._ids[toks]
         mx.eval(toks, vals, pars, rks)
-        paths, picked = select_dynamic_tree(np.array(vals), np.array(pars), np.array(rks), self.budget)
-        key = tuple(paths)
-        tree = self._trees.get(key)
-        if tree is None:
-            if len(self._trees) >= 4096:
-                self._trees.clear()
-            tree = self._trees[key] = build_tree(paths)
-        where = {p: c for p, c in zip(paths, picked)}
-        order = mx.array([where[c] for c in tree.choices], dtype=mx.int32)
+        tree, order = reranked_tree(self._trees, vals, pars, rks, self.budget)
         self.values = vals[order]  # the nodes' cumulative draft log-probabilities, node order
         return tree, toks[order].astype(mx.int32)
 

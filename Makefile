@@ -63,7 +63,7 @@ lint: $(VENV)/.installed-test
 # interruption), each within 3 hours on a 2-core CPU, each on new Magpie prompts (seeds 0, 2, 4)
 # and continuing the heads of the one before: 151,697 + 303,806 + 337,487 = 792,990 distinct
 # training positions. Then copied into the package data with the tree chosen end to end with
-# `mlx-stream bench` (README, "Stream heads for the default model"), greedy and sampled (T = 0.7).
+# `mlx-stream bench` (docs/heads.md, "Stream heads for the default model"), greedy and sampled (T = 0.7).
 HEADS_RUN ?= runs/smollm2-135m-instruct
 HEADS_COMMON ?= --workers 2 --max-tokens 192 --num-heads 4
 HEADS_TREE ?= 0

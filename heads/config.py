@@ -45,7 +45,7 @@ class HeadConfig:
         tree_taus: candidate trees and the tau each implies on held-out data
             (``{"0;1;0,0": 1.69, ...}``, written by training); ``tree="auto"`` picks the
             one with the best tau / cost on the device at hand
-            (:func:`mlx_stream.autotree.auto_tree`).
+            (:func:`mlx_stream.speculation.auto_tree`).
         layer_spec: "eagle" (and "msa" with ``stream_copies``): what rebuilds the draft
             layer (the stream layers), a decoder layer like the backbone's
             (``{"model_type", "args"}``, :func:`mlx_stream.heads.eagle.layer_spec`);

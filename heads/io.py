@@ -155,7 +155,8 @@ def _init_draft_layer(draft, backbone, copy_top_layer: bool) -> None:
     # the layer's weights from the backbone's top layer (or random); its residual branches'
     # output projections at zero and the input projection [I 0], so a fresh draft layer
     # passes f_t through (up to its norm) and first predicts the backbone's own next token,
-    # as a fresh hydra head does (held-out top-1 0.19 -> 0.29 on the same data, README)
+    # as a fresh hydra head does (held-out top-1 0.19 -> 0.29 on the same data,
+    # docs/benchmarks.md, "Head architectures and ablations")
     if copy_top_layer:
         draft.layer.load_weights(tree_flatten(backbone.model.layers[-1].parameters()), strict=True)
     layer, H = draft.layer, draft.fc.weight.shape[0]

@@ -41,6 +41,7 @@ _EXPORTS = {
     "save_prompt_cache": ".prompt_cache",
     "chain": ".tree",
     "load": ".loader",
+    "load_draft": ".loader",
     "make_drafter": ".speculation",
     "parse_tree": ".tree",
     "resolve_tree": ".speculation",

@@ -46,12 +46,14 @@ class Decoding:
         tree: a tree spec (:func:`mlx_stream.speculation.resolve_tree`).
         prompt_lookup: as :func:`mlx_stream.stream_generate` (None: its default).
         sampling: ``temp``, ``top_p``, ``top_k``, ``min_p``; greedy when empty or ``temp == 0``.
+        num_draft_tokens: the draft model's chain length (``model.draft_model``), None: its tree.
     """
 
     max_tokens: int = 128
     tree: str | None = None
     prompt_lookup: int | None = None
     sampling: dict = field(default_factory=dict)
+    num_draft_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +65,7 @@ class Decoding:
             "max_tokens": self.max_tokens,
             "tree": self.tree,
             "prompt_lookup": self.prompt_lookup,
+            "num_draft_tokens": self.num_draft_tokens,
             **self.sampling,
         }
 
@@ -180,7 +183,7 @@ def side_by_side(
 
     Args:
         decoding: mlx-stream's settings; ``tree="auto"`` is resolved first
-            (:func:`mlx_stream.autotree.auto_tree`) and reported with its expected bound.
+            (:func:`mlx_stream.speculation.auto_tree`) and reported with its expected bound.
         groups: a task-group label per prompt (medians per group).
         oracle: draft the target's own greedy output (:class:`~mlx_stream.drafters.OracleDrafter`,
             default tree ``chain:3``): the loop's ceiling; the result then carries
@@ -196,9 +199,8 @@ def side_by_side(
     Raises:
         ValueError: the oracle with sampling or with ``tree="auto"``, or a bad tree.
     """
-    from .autotree import auto_tree
     from .drafters import OracleDrafter
-    from .speculation import is_auto, resolve_tree, stored_tree
+    from .speculation import auto_tree, is_auto, resolve_tree, stored_tree
 
     make, shape, chosen = None, None, None
     if oracle:

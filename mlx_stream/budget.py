@@ -8,7 +8,7 @@ tokens (node k worth p^k, p the source's measured per-token acceptance after a
 match of that length). The step drafts the nodes that maximise expected tokens per
 unit of time, ``(1 + sum of the chosen values) / cost``, where the cost is this
 device's measured forward cost c(N) for N nodes plus the heads' drafting time
-(:func:`measure_costs`), scaled by what drafting steps are measured to cost while
+(:func:`mlx_stream.cost.device_costs`), scaled by what drafting steps are measured to cost while
 decoding (:meth:`BudgetDrafter.observe_time`): the budget N follows from the device's
 c(N) instead of a fixed tree (EAGLE-2, Li et al. 2024, expands a draft tree by estimated acceptance;
 Sequoia, Chen et al. 2024, sizes a tree to the hardware; here the candidates come
@@ -21,26 +21,22 @@ step keeps its single host sync.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import json
 import statistics
-import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from .cost import StepCosts
 from .drafters import HeadsDrafter, LookupDrafter, NoDrafter, accepted_nodes, propose
 from .lookup import append_chain, lookup_length, match_suffix
-from .tree import Tree, parse_tree
+from .tree import Tree
 
 SOURCES = ("heads", "context", "store")
 # per-token acceptance of a chain after a match of 2, 3, 4, 5+ tokens, before any is
-# measured (prompt lookup on held-out SmolLM2 outputs: README, "Prompt lookup"; the
-# datastore's are guesses a little below)
+# measured (prompt lookup on held-out SmolLM2 outputs: docs/benchmarks.md, "Prompt lookup";
+# the datastore's are guesses a little below)
 PRIORS = {"context": (0.51, 0.58, 0.76, 0.91), "store": (0.4, 0.5, 0.6, 0.7)}
 
 
@@ -76,49 +72,17 @@ def plan_budget(values: Sequence[Sequence[float]], cost: Callable[[Sequence[int]
     return best_counts
 
 
-@dataclass
-class StepCosts:
-    """What a step costs on this device, relative to a 1-token forward.
-
-    Attributes:
-        curve: ``{N: c(N)}`` measured forward costs of N-token trees (root included).
-        t1_ms: a 1-token forward in milliseconds.
-        draft_ms: ``{h: ms}`` the heads' drafting time for their h-node candidate tree.
-    """
-
-    curve: dict[int, float]
-    t1_ms: float
-    draft_ms: dict[int, float] = field(default_factory=dict)
-
-    def __post_init__(self):
-        self._sizes = sorted(self.curve)
-
-    def forward(self, n: int) -> float:
-        """c(n), linear between the measured sizes and beyond the largest."""
-        sizes = self._sizes if len(self._sizes) == len(self.curve) else sorted(self.curve)
-        if n <= sizes[0]:
-            return self.curve[sizes[0]]
-        if n >= sizes[-1]:
-            a, b = sizes[-2], sizes[-1]
-        else:
-            i = int(np.searchsorted(sizes, n))
-            a, b = sizes[i - 1], sizes[i]
-        ca, cb = self.curve[a], self.curve[b]
-        return ca + (cb - ca) * (n - a) / (b - a)
-
-    def step(self, counts: Sequence[int]) -> float:
-        """A step drafting ``counts`` (heads first): c(1 + nodes) + heads' drafting."""
-        h = counts[0] if counts else 0
-        return self.forward(1 + sum(counts)) + (self.draft_ms.get(h, 0.0) / self.t1_ms if h else 0.0)
-
-
-def head_candidates(heads, max_nodes: int = 15) -> list[tuple[Tree, float]]:
+def head_values(candidates: Sequence[tuple[Tree, float]], max_nodes: int = 15) -> list[tuple[Tree, float]]:
     """The heads' candidate trees by size (1 to ``max_nodes`` drafted nodes) and each
-    one's last node's value: the held-out tau it added (``HeadConfig.tree_taus``), made
-    non-increasing. Empty when the heads carry no candidates."""
+    one's last node's value: the held-out tau it added, made non-increasing.
+
+    Args:
+        candidates: ``(tree, tau)`` pairs, the heads' parsed ``HeadConfig.tree_taus``
+            (:func:`mlx_stream.speculation.candidate_trees`; the drafting plan's
+            ``candidates``). Empty gives an empty list.
+    """
     taus = {}
-    for spec, tau in (heads.config.tree_taus or {}).items():
-        t = parse_tree(spec, heads.num_heads)
+    for t, tau in candidates:
         if 1 < t.size <= max_nodes + 1 and (t.size not in taus or tau > taus[t.size][1]):
             taus[t.size] = (t, float(tau))
     out, prev, last = [], 1.0, 1.0
@@ -132,53 +96,10 @@ def head_candidates(heads, max_nodes: int = 15) -> list[tuple[Tree, float]]:
     return out
 
 
-def measure_costs(
-    model, heads_trees: Sequence[Tree] = (), cache_dir=None, refresh: bool = False
-) -> StepCosts:
-    """This device's :class:`StepCosts` for ``model`` (and its heads' ``heads_trees``),
-    measured once (about half a minute for the default model here) and cached in
-    :func:`mlx_stream.loader.cache_dir` / ``costs`` by device, dtype, BLAS and heads."""
-    from .autotree import device_key
-    from .cost import draft_times, forward_cost
-    from .files import write_json
-
-    if cache_dir is None:
-        from .loader import cache_dir as default_dir
-
-        cache_dir = default_dir() / "costs"
-    key = device_key(model) | {"trees": [t.size for t in heads_trees]}
-    path = Path(cache_dir) / (
-        hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json"
-    )
-    if path.is_file() and not refresh:
-        try:
-            d = json.loads(path.read_text())
-            return StepCosts(
-                {int(k): float(v) for k, v in d["curve"].items()},
-                float(d["t1_ms"]),
-                {int(k): float(v) for k, v in d["draft_ms"].items()},
-            )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass  # unreadable: measured again and rewritten
-    print(
-        f"measuring this device's forward and drafting costs once (~30 s; cached in {cache_dir})",
-        file=sys.stderr,
-    )
-    curve = forward_cost(model, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repeats=5)
-    t1 = curve.pop("t1_ms")
-    ms = draft_times(model, list(heads_trees), repeats=5) if heads_trees else []
-    costs = StepCosts(curve, t1, {t.size - 1: m for t, m in zip(heads_trees, ms)})
-    try:
-        write_json({"key": key, "curve": costs.curve, "t1_ms": t1, "draft_ms": costs.draft_ms}, path)
-    except OSError:
-        pass  # a read-only cache only costs a re-measurement next time
-    return costs
-
-
 class BudgetDrafter(LookupDrafter):
     """Prompt lookup, the datastore and the heads in one budgeted tree per step.
 
-    Each step the candidates are the heads' candidate trees (:func:`head_candidates`,
+    Each step the candidates are the heads' candidate trees (:func:`head_values`,
     their held-out values times :attr:`calibration`), prompt lookup's copy after the
     context's longest repeated suffix, and the datastore's most frequent continuation
     (both up to ``num_draft`` tokens; the store's chain is dropped where it starts
@@ -201,11 +122,15 @@ class BudgetDrafter(LookupDrafter):
 
     Args:
         model: a :class:`~mlx_stream.model.SpeculativeModel` (heads optional).
-        costs: the device's :class:`StepCosts` (:func:`measure_costs`).
+        costs: the device's :class:`StepCosts` (:func:`mlx_stream.cost.device_costs`).
         base: the heads' drafter for their configured tree (used where the heads carry
             no candidate trees, and as :attr:`tree`), or :class:`NoDrafter`.
         num_draft: the longest chain (>= 1).
         store: a datastore (:class:`~mlx_stream.datastore.DraftStore`), or None.
+        candidates: the heads' parsed candidate trees and their held-out taus
+            (``(tree, tau)`` pairs: the drafting plan's ``candidates``,
+            :func:`mlx_stream.speculation.plan_drafting`); empty: the heads draft
+            ``base``'s tree alone.
         max_heads: the largest heads tree considered, in drafted nodes.
         decay: the weight of each new observation in the estimates.
         explore_every: see above.
@@ -223,6 +148,7 @@ class BudgetDrafter(LookupDrafter):
         base=None,
         num_draft: int = 10,
         store=None,
+        candidates: Sequence[tuple[Tree, float]] = (),
         max_heads: int = 15,
         decay: float = 0.05,
         explore_every: int = 16,
@@ -235,7 +161,7 @@ class BudgetDrafter(LookupDrafter):
             base, num_draft, max_ngram, min_ngram, explore_every=explore_every, decay=decay, store=store
         )
         self.model, self.costs, self.chains = model, costs, chains
-        cands = head_candidates(model.heads, max_heads) if model.heads is not None else []
+        cands = head_values(candidates, max_heads) if model.heads is not None else []
         self._heads = [HeadsDrafter(model, t) for t, _ in cands]
         self.head_values = [v for _, v in cands]
         # estimates: (accepted, reached) pseudo-counts per (source, match bucket); heads: (got, predicted)

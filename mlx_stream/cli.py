@@ -71,6 +71,17 @@ _LEARN = typer.Option(
     "to it (answers only, never prompts; `mlx-stream answers` shows or clears it). Default: on, "
     "unless the environment sets MLX_STREAM_LEARN=0.",
 )
+_DRAFT_MODEL = typer.Option(
+    None,
+    "--draft-model",
+    help="A separate draft model that drafts instead of the heads: any form --model takes, sharing "
+    "the target's tokenizer (a smaller model of the family, or a quantized copy: "
+    "`mlx-stream convert -q`). It drafts a tree (--tree dynamic:N[,W] sets its size), or a chain "
+    "with --num-draft-tokens. Guide: docs/drafting.md.",
+)
+_NUM_DRAFT = typer.Option(
+    None, "--num-draft-tokens", help="With --draft-model: draft a chain of this many tokens (mlx-lm's name)."
+)
 _TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
 _TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]; 1 disables it.")
 _TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 disables it.")
@@ -104,6 +115,8 @@ class DecodeOptions:
     quantized_kv_start: int
     prompt_cache_file: str | None
     learn: bool | None
+    draft_model: str | None = None
+    num_draft_tokens: int | None = None
 
     def generation(self, max_tokens: int) -> dict:
         """Keyword arguments of :func:`mlx_stream.stream_generate`, checked before anything
@@ -119,6 +132,7 @@ class DecodeOptions:
                 prompt_lookup=self.prompt_lookup,
             )
             check_kv(KVSettings(self.max_kv_size, self.kv_bits, self.kv_group_size, self.quantized_kv_start))
+            _check_draft_options(self.draft_model, self.num_draft_tokens, self.tree)
             processors = make_processors(self.repetition_penalty)
         except ValueError as e:
             _fail(str(e))
@@ -136,11 +150,13 @@ class DecodeOptions:
             "kv_bits": self.kv_bits,
             "kv_group_size": self.kv_group_size,
             "quantized_kv_start": self.quantized_kv_start,
+            "num_draft_tokens": self.num_draft_tokens,
         }
 
     def load(self):
         """``(model, tokenizer)``; exit 2 with one line when they cannot be loaded."""
-        return _load(self.model, NO_HEADS if self.no_heads else self.heads, self.dtype, _learn(self.learn))
+        heads = NO_HEADS if self.no_heads or self.draft_model else self.heads
+        return _load(self.model, heads, self.dtype, _learn(self.learn), self.draft_model)
 
     def prompt_cache(self, model, tokenizer):
         """The cache loaded from ``--prompt-cache-file``, or None; exit 2 when it cannot be."""
@@ -232,6 +248,8 @@ _DECODE_OPTIONS = [
         ),
     ),
     _option("learn", bool | None, _LEARN),
+    _option("draft_model", str | None, _DRAFT_MODEL),
+    _option("num_draft_tokens", int | None, _NUM_DRAFT),
 ]
 
 
@@ -272,13 +290,26 @@ def _learn(flag: bool | None) -> bool:
         _fail(str(e))
 
 
-def _load(model: str, heads: str, dtype: str, learn: bool | str = False):
+def _load(model: str, heads: str, dtype: str, learn: bool | str = False, draft_model: str | None = None):
     from mlx_stream.loader import load
 
     try:
-        return load(model, heads=heads, dtype=dtype, learn=learn)
+        return load(model, heads=heads, dtype=dtype, learn=learn, draft_model=draft_model)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+
+
+def _check_draft_options(draft_model: str | None, num_draft_tokens: int | None, tree: str | None) -> None:
+    # before anything is loaded: the draft model's options make sense together
+    if num_draft_tokens is not None and draft_model is None:
+        raise ValueError("--num-draft-tokens sets a draft model's chain: pass --draft-model too")
+    if num_draft_tokens is not None and num_draft_tokens < 1:
+        raise ValueError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
+    if draft_model is not None and tree is not None and not tree.strip().startswith("dynamic:"):
+        raise ValueError(
+            f"--tree {tree}: a draft model drafts its own tree; use --tree dynamic:N[,W] to size it "
+            "or --num-draft-tokens K for a chain"
+        )
 
 
 def _check_out(path: str, folder: bool) -> None:
@@ -474,6 +505,8 @@ def server(
     ),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level."),
     learn: bool | None = _LEARN,
+    draft_model: str | None = _DRAFT_MODEL,
+    num_draft_tokens: int | None = _NUM_DRAFT,
 ):
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
@@ -487,6 +520,7 @@ def server(
         _fail(f"--cache-slots must be >= 1, got {cache_slots}")
     try:
         check_generation(max_tokens, temp, tree=tree, prompt_lookup=prompt_lookup)
+        _check_draft_options(draft_model, num_draft_tokens, tree)
     except ValueError as e:
         _fail(str(e))
     from mlx_stream.server import serve
@@ -506,6 +540,8 @@ def server(
             learn=_learn(learn),
             tree=tree,
             prompt_lookup=prompt_lookup,
+            draft_model=draft_model,
+            num_draft_tokens=num_draft_tokens,
         )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -605,6 +641,8 @@ def bench(
         help="Draft also from this machine's store of the model's past answers (read only: the "
         "benchmark's answers are not added).",
     ),
+    draft_model: str | None = _DRAFT_MODEL,
+    num_draft_tokens: int | None = _NUM_DRAFT,
 ):
     """Side-by-side against plain mlx-lm (same weights, one process, interleaved);
     greedy by default (identity checked), or sampled with the same settings. Under
@@ -626,6 +664,9 @@ def bench(
         if drafter not in ("heads", "oracle"):
             raise ValueError(f"unknown drafter {drafter!r}: use heads or oracle")
         check_generation(max_tokens, SamplingParams(**sampling), tree=tree, prompt_lookup=prompt_lookup)
+        _check_draft_options(draft_model, num_draft_tokens, tree)
+        if draft_model is not None and drafter == "oracle":
+            raise ValueError("--draft-model and --drafter oracle are two drafters: pick one")
         texts, groups = select_prompts(prompts, limit, per_group)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -634,8 +675,9 @@ def bench(
     _blas_hint()
     ranks = connect()
     oracle = drafter == "oracle"
-    m, tok = _load(model, NO_HEADS if oracle else heads, dtype, "read" if answers else False)
-    if not oracle and m.heads is None:
+    no_heads = oracle or draft_model is not None
+    m, tok = _load(model, NO_HEADS if no_heads else heads, dtype, "read" if answers else False, draft_model)
+    if not oracle and m.heads is None and m.draft_model is None:
         typer.echo("note: no heads loaded; this measures plain decoding through the loop", err=True)
     with Progress(
         TextColumn("bench"),
@@ -662,7 +704,7 @@ def bench(
                 m,
                 tok,
                 texts,
-                Decoding(max_tokens, tree, prompt_lookup, sampling),
+                Decoding(max_tokens, tree, prompt_lookup, sampling, num_draft_tokens),
                 groups,
                 oracle=oracle,
                 seed=seed,
@@ -677,7 +719,9 @@ def bench(
     res |= {
         "model": model,
         "heads": heads if m.heads is not None else None,
-        "drafter": drafter,
+        "drafter": "draft model" if draft_model else drafter,
+        "draft_model": draft_model,
+        "num_draft_tokens": num_draft_tokens,
         "prompt_lookup": prompt_lookup,
         "dtype": dtype,
         "max_tokens": max_tokens,

@@ -1,17 +1,136 @@
 """What a step costs on this device: the tree forward's cost curve c(N) and the heads'
-drafting time, measured (the cost model of ``tree="auto"`` and of ``mlx-stream bench``)."""
+drafting time, measured once per model, heads and device and cached
+(:func:`device_costs`: the one owner of measured costs, read by ``tree="auto"``,
+``dynamic:auto`` and ``tree="budget"``); :func:`forward_cost` is also ``mlx-stream
+bench``'s fresh measurement."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import statistics
+import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from .cache import make_tree_cache, trim_cache
 from .drafters import HeadsDrafter
-from .tree import chain
+from .tree import Tree, chain
+
+# forward sizes measured for the cost curve (root included); c(N) between them is linear
+CURVE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass
+class StepCosts:
+    """What a step costs on this device, relative to a 1-token forward.
+
+    Attributes:
+        curve: ``{N: c(N)}`` measured forward costs of N-token trees (root included).
+        t1_ms: a 1-token forward in milliseconds.
+        draft_ms: ``{h: ms}`` the heads' drafting time for their h-node candidate tree.
+        cached: whether :func:`device_costs` read these from its cache (not measured now).
+    """
+
+    curve: dict[int, float]
+    t1_ms: float
+    draft_ms: dict[int, float] = field(default_factory=dict)
+    cached: bool = field(default=False, compare=False)
+
+    def forward(self, n: int) -> float:
+        """c(n), linear between the measured sizes and beyond the largest."""
+        sizes = sorted(self.curve)
+        if n <= sizes[0]:
+            return self.curve[sizes[0]]
+        if n >= sizes[-1]:
+            a, b = sizes[-2], sizes[-1]
+        else:
+            i = int(np.searchsorted(sizes, n))
+            a, b = sizes[i - 1], sizes[i]
+        ca, cb = self.curve[a], self.curve[b]
+        return ca + (cb - ca) * (n - a) / (b - a)
+
+    def step(self, counts: Sequence[int]) -> float:
+        """A step drafting ``counts`` (heads first): c(1 + nodes) + heads' drafting."""
+        h = counts[0] if counts else 0
+        return self.forward(1 + sum(counts)) + (self.draft_ms.get(h, 0.0) / self.t1_ms if h else 0.0)
+
+
+def device_key(model) -> dict:
+    """What the costs depend on: the heads, the backbone, its dtype, and the machine."""
+    from mlx.utils import tree_flatten
+
+    from .env import openblas_active
+
+    cfg = model.heads.config if model.heads is not None else None
+    dtype = str(next(iter(v.dtype for _, v in tree_flatten(model.backbone.parameters()))))
+    return {
+        "heads": hashlib.sha256(cfg.to_json().encode()).hexdigest()[:16] if cfg else None,
+        "backbone": (cfg.fingerprint if cfg else None) or model.args.model_type,
+        "dtype": dtype,
+        "device": str(mx.default_device()),
+        "machine": f"{platform.system()} {platform.machine()} {platform.processor()} {os.cpu_count()} CPUs",
+        "openblas": openblas_active(),
+        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""),
+    }
+
+
+def measure_costs(model, heads_trees: Sequence[Tree] = (), repeats: int = 5) -> StepCosts:
+    """Measure :class:`StepCosts` now, uncached: c(N) at :data:`CURVE_SIZES`
+    (:func:`forward_cost`) and the heads' drafting time of each tree of ``heads_trees``
+    (:func:`draft_times`), medians of ``repeats``. :func:`device_costs` caches this."""
+    curve = forward_cost(model, sizes=CURVE_SIZES, repeats=repeats)
+    t1 = curve.pop("t1_ms")
+    trees = [t for t in heads_trees if t.size > 1]
+    ms = draft_times(model, trees, repeats=repeats) if trees else []
+    return StepCosts(curve, t1, {t.size - 1: m for t, m in zip(trees, ms)})
+
+
+def device_costs(model, heads_trees: Sequence[Tree] = (), cache_dir=None, refresh: bool = False) -> StepCosts:
+    """This device's :class:`StepCosts` for ``model`` and its heads' ``heads_trees``
+    (their drafting times, by drafted-node count), measured once (about half a minute
+    for the default model here) and cached in :func:`mlx_stream.loader.cache_dir` /
+    ``costs`` by :func:`device_key` and the trees' sizes; ``refresh`` measures again
+    (``mlx-stream bench --tree auto`` after a change of machine load, for example).
+    An unreadable cache entry is measured again and rewritten."""
+    from .files import write_json
+
+    if cache_dir is None:
+        from .loader import cache_dir as default_dir
+
+        cache_dir = default_dir() / "costs"
+    key = device_key(model) | {"trees": [t.size for t in heads_trees]}
+    path = Path(cache_dir) / (
+        hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json"
+    )
+    if path.is_file() and not refresh:
+        try:
+            d = json.loads(path.read_text())
+            return StepCosts(
+                {int(k): float(v) for k, v in d["curve"].items()},
+                float(d["t1_ms"]),
+                {int(k): float(v) for k, v in d["draft_ms"].items()},
+                cached=True,
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # unreadable: measured again and rewritten
+    print(
+        f"measuring this device's forward and drafting costs once (~30 s; cached in {cache_dir})",
+        file=sys.stderr,
+    )
+    costs = measure_costs(model, heads_trees)
+    try:
+        write_json({"key": key, "curve": costs.curve, "t1_ms": costs.t1_ms, "draft_ms": costs.draft_ms}, path)
+    except OSError:
+        pass  # a read-only cache only costs a re-measurement next time
+    return costs
 
 
 def forward_cost(

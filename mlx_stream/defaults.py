@@ -6,5 +6,5 @@ DEFAULT_HEADS = "default"  # `heads=` / `--heads`: the heads shipped for the mod
 NO_HEADS = "none"  # `heads=` / `--heads`: plain decoding
 AUTO_TREE = "auto"  # `tree=` / `--tree`: the heads' tree measured fastest on this device
 BUDGET_TREE = "budget"  # a tree budgeted per step across the heads, prompt lookup and the datastore
-PROMPT_LOOKUP = 10  # prompt-lookup tokens per step with heads (README: "Prompt lookup")
+PROMPT_LOOKUP = 10  # prompt-lookup tokens per step with heads (docs/drafting.md, "Prompt lookup")
 CHAT_MAX_TOKENS = 256  # reply cap of `mlx-stream chat` (as mlx-lm's chat)

@@ -18,6 +18,10 @@ import numpy as np
 from .drafters import _topk, reranked_tree
 from .tree import Tree, chain, no_drafts
 
+# a draft model's default tree: (nodes incl. the root, children per expanded node, depth,
+# p_min). Measured on this CPU (2026-12-03, docs/drafting.md, "Drafting with a draft model").
+DRAFT_TREE = (8, 2, 4, 0.0)
+
 
 def _vocab(tokenizer) -> dict[str, int]:
     inner = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper
@@ -194,9 +198,10 @@ class DraftModelDrafter:
     capture = None
     reads_path = False
     coupled = True
+    dynamic_tree = True  # the tree's shape changes step by step (adaptive speculation times each)
 
     def __init__(
-        self, draft: DraftModel, budget: int = 8, width: int = 2, depth: int = 4, p_min: float = 0.0
+        self, draft: DraftCache, budget: int = 8, width: int = 2, depth: int = 4, p_min: float = 0.0
     ):
         if budget < 2 or width < 1 or depth < 1 or not 0.0 <= p_min < 1.0:
             raise ValueError(
@@ -204,6 +209,7 @@ class DraftModelDrafter:
                 f"got {budget}, {width}, {depth}, {p_min}"
             )
         self.draft, self.budget, self.width, self.p_min = draft, budget, width, p_min
+        self.draft_cache = draft  # what the loop checks (a draft model's cache is not bounded)
         self.depth = min(depth, budget - 1)
         self.tree = chain(self.depth)  # the deepest shape a step drafts (adaptive speculation's)
         self._trees: dict[tuple, Tree] = {}

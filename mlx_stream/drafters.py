@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import mlx.core as mx
 import numpy as np
 
-from .tree import Tree, build_tree, chain, no_drafts, parse_tree
+from .tree import Tree, build_tree, chain, check_depth, no_drafts
 
 
 class Drafter(Protocol):
@@ -150,7 +150,7 @@ class HeadsDrafter:
     def __init__(self, model, tree: Tree):
         if model.heads is None:
             raise ValueError("HeadsDrafter needs a model with stream heads")
-        tree = parse_tree(tree, model.heads.num_heads)  # refuses a tree deeper than the heads
+        check_depth(tree, model.heads.num_heads)
         self.model = model
         self.tree = tree
         self._k = max(tree.topk(), default=0)
@@ -279,8 +279,9 @@ class EagleDrafter:
 
         if model.heads is None or not model.heads.autoregressive:
             raise ValueError("EagleDrafter needs eagle heads")
+        check_depth(tree, model.heads.num_heads)
         self.model = model
-        self.tree = parse_tree(tree, model.heads.num_heads)
+        self.tree = tree
         self.fuse_layers = tuple(model.heads.config.fuse_layers)
         self._ids = model.heads.draft_ids if model.heads.config.draft_vocab_size else None
         self._rows = None
@@ -460,6 +461,8 @@ class DynamicTreeDrafter(EagleDrafter):
     Raises:
         ValueError: heads that are not ``"eagle"``, or a budget, width or depth out of range.
     """
+
+    dynamic_tree = True  # the tree's shape changes step by step (adaptive speculation times each)
 
     def __init__(self, model, budget: int, width: int = 4, depth: int | None = None):
         if model.heads is None or not model.heads.autoregressive:
@@ -788,6 +791,17 @@ def queued_drafter(drafter):
     base = drafter.base if isinstance(drafter, LookupDrafter) else drafter
     ok = hasattr(base, "draft_queued") and getattr(base, "capture", None) is None
     return base if ok and not getattr(base, "reads_path", False) else None
+
+
+def drafts_own_tree(drafter) -> bool:
+    """Whether the step just proposed by ``drafter`` is its base's own tree, of a drafter
+    whose tree changes step by step (a dynamic tree, a draft model's), with no
+    prompt-lookup chain joined: a step adaptive speculation may time as drafting's."""
+    if isinstance(drafter, LookupDrafter):
+        if drafter._pending is not None:
+            return False
+        drafter = drafter.base
+    return getattr(drafter, "dynamic_tree", False)
 
 
 def is_static_step(tree: Tree, queued, depth: int) -> bool:

@@ -330,6 +330,8 @@ def stream_generate(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
+    draft_model=None,
+    num_draft_tokens: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with Speculative Streaming, yielding one response per decoding step.
 
@@ -400,6 +402,17 @@ def stream_generate(
             quantized cache. Only with plain decoding (a tree's batched keys can round to
             other quantization levels than sequential decoding's: ValueError with a
             drafter), and not with ``max_kv_size`` (mlx-lm neither).
+        draft_model: a separate draft model drafts instead of the heads (Leviathan et
+            al. 2023; a :class:`~mlx_stream.draft_model.DraftModel` from
+            :func:`mlx_stream.load_draft`, or ``load(..., draft_model=SPEC)``, which sets
+            ``model.draft_model``, the default here): EAGLE-2's dynamic tree from its
+            logits, coupled to the target's draws when sampling
+            (:class:`~mlx_stream.draft_model.DraftModelDrafter`; ``tree="dynamic:N[,W]"``
+            sets its node budget and width). Its KV cache lives in the ``prompt_cache``
+            beside the target's, so a chat reuses both. ``False``: the heads draft even
+            where ``model.draft_model`` is set.
+        num_draft_tokens: the draft model drafts a chain of this many tokens instead
+            of a tree (mlx-lm's ``num_draft_tokens``).
 
     Yields:
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
@@ -418,7 +431,21 @@ def stream_generate(
     ids, unknown = _prompt_ids(model, tokenizer, prompt, prompt_cache, kv)
     ctx = model.context_length if max_kv_size is None else None  # a bounded cache: positions run on
     adaptive = drafter is None if adaptive is None else adaptive
-    drafter = _checked_drafter(model, drafter, tree, prompt_lookup, sampling, kv)
+    cache = prompt_cache if prompt_cache is not None else PromptCache(model, max_kv_size)
+    if drafter is None:
+        if draft_model is None:
+            draft_model = getattr(model, "draft_model", None)
+        draft_cache = cache.draft_cache(draft_model) if draft_model else None
+        drafter = make_drafter(
+            model,
+            tree,
+            prompt_lookup,
+            sampled=not sampling.greedy,
+            draft_model=draft_model or None,
+            num_draft_tokens=num_draft_tokens,
+            draft_cache=draft_cache,
+        )
+    _check_drafter(drafter, kv)
     entropy = np.random.SeedSequence(seed).entropy
     verify = TreeVerifier(
         sampling,
@@ -429,7 +456,6 @@ def stream_generate(
         top_logprobs,
         unknown,
     )
-    cache = prompt_cache if prompt_cache is not None else PromptCache(model, max_kv_size)
     if cache.quantization is not None and cache.quantization != (kv_bits, kv_group_size):
         cache.reset()  # quantized for other settings: recompute
     emitter = _Emitter(tokenizer, max_tokens, [stop] if isinstance(stop, str) else list(stop or []))
@@ -519,11 +545,8 @@ def _prompt_ids(model, tokenizer, prompt, prompt_cache: PromptCache | None, kv: 
     return ids, unknown
 
 
-def _checked_drafter(model, drafter, tree, prompt_lookup, sampling: SamplingParams, kv: KVSettings):
-    # the given drafter, or the model's (its heads, prompt lookup, the datastore), if the KV
-    # settings allow drafting with it
-    if drafter is None:
-        drafter = make_drafter(model, tree, prompt_lookup, sampled=not sampling.greedy)
+def _check_drafter(drafter, kv: KVSettings) -> None:
+    # whether the KV settings allow drafting with this drafter
     if kv.bits is not None and not isinstance(drafter, NoDrafter):
         raise ValueError(
             "kv_bits cannot be combined with drafting: a draft tree's keys come from one batched "
@@ -537,7 +560,15 @@ def _checked_drafter(model, drafter, tree, prompt_lookup, sampling: SamplingPara
             "these heads read the backbone's cached keys/values (multi-stream attention), which "
             "max_kv_size and kv_bits change; decode them without those options"
         )
-    return drafter
+    if (
+        getattr(getattr(drafter, "base", drafter), "draft_cache", None) is not None
+        and kv.max_kv_size is not None
+    ):
+        raise ValueError(
+            "max_kv_size bounds the target's cache but not a draft model's, whose cache would grow "
+            "without bound: decode with the draft model without max_kv_size, or bound memory "
+            "with the heads or plain decoding"
+        )
 
 
 def _first_step(model, verify: TreeVerifier, ids: list[int], hidden, mid, prompt_hidden) -> Step:

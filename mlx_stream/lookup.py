@@ -68,9 +68,9 @@ def lookup_length(n: int, num_draft: int) -> int:
 
     A copy's tokens are accepted far more often after a long match than after a short
     one (held-out self-distilled SmolLM2 outputs: first-token acceptance 0.51 after a
-    2-token match, 0.58 after 3, 0.76 after 4, 0.91 after 5 or more; README, "Prompt
-    lookup"), while each drafted node costs about a tenth of a forward pass on a CPU,
-    so the copy grows with the match.
+    2-token match, 0.58 after 3, 0.76 after 4, 0.91 after 5 or more;
+    docs/benchmarks.md, "Prompt lookup"), while each drafted node costs about a tenth
+    of a forward pass on a CPU, so the copy grows with the match.
     """
     return max(0, min(num_draft, 2 * (n - 1)))
 

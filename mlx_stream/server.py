@@ -336,11 +336,12 @@ class Engine:
 
     Args:
         model: model spec for :func:`mlx_stream.load`.
-        heads, dtype, learn: as :func:`mlx_stream.load` (``learn``: answers join
-            this machine's store of the model's answers, which drafts draw on).
+        heads, dtype, learn, draft_model: as :func:`mlx_stream.load` (``learn``: answers
+            join this machine's store of the model's answers, which drafts draw on;
+            ``draft_model``: a separate draft model drafts every request).
         cache_slots: prompt caches kept (conversations whose history is reused).
         generation: fixed keyword arguments of :func:`mlx_stream.stream_generate`
-            for every request (``tree``, ``prompt_lookup``).
+            for every request (``tree``, ``prompt_lookup``, ``num_draft_tokens``).
 
     Raises:
         ValueError, FileNotFoundError: the model or heads cannot be loaded.
@@ -353,6 +354,7 @@ class Engine:
         dtype: str = "auto",
         cache_slots: int = 4,
         learn: bool = False,
+        draft_model: str | None = None,
         **generation,
     ):
         if cache_slots < 1:
@@ -366,7 +368,7 @@ class Engine:
         ready, failure = threading.Event(), []
         self.thread = threading.Thread(
             target=self._run,
-            args=(model, heads, dtype, learn, ready, failure),
+            args=(model, heads, dtype, learn, draft_model, ready, failure),
             daemon=True,
             name="mlx-stream-engine",
         )
@@ -382,12 +384,14 @@ class Engine:
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
-    def _run(self, model, heads, dtype, learn, ready, failure):
+    def _run(self, model, heads, dtype, learn, draft_model, ready, failure):
         from .generate import PromptCache
         from .loader import load
 
         try:
-            self.model, self.tokenizer = load(model, heads=heads, dtype=dtype, learn=learn)
+            self.model, self.tokenizer = load(
+                model, heads=heads, dtype=dtype, learn=learn, draft_model=draft_model
+            )
         except Exception as e:  # handed to the constructor, which raises it
             failure.append(e)
             ready.set()
@@ -755,7 +759,8 @@ def serve(
         host, port: where to listen (127.0.0.1 by default: this machine only).
         max_tokens, temp: defaults for requests that give none.
         cache_slots: prompt caches kept (:class:`Engine`).
-        **generation: ``tree``, ``prompt_lookup`` for :func:`mlx_stream.stream_generate`.
+        **generation: ``tree``, ``prompt_lookup``, ``num_draft_tokens`` for
+            :func:`mlx_stream.stream_generate`; ``draft_model``: for :func:`mlx_stream.load`.
 
     Raises:
         ValueError, FileNotFoundError: the model or heads cannot be loaded.

@@ -1,14 +1,35 @@
-"""What a model drafts with, decided in one place: the draft tree from a spec
-(:func:`resolve_tree`) and the drafter from a tree and the prompt-lookup budget
-(:func:`make_drafter`)."""
+"""What a model drafts with, decided in one place.
+
+:func:`plan_drafting` reads the user's choices (tree spec, prompt lookup, datastore,
+sampled or not) against the model once: the spec and the heads' candidate trees are
+parsed there and nowhere else, into a :class:`DraftPlan`. :func:`build_drafter` turns
+a plan into the drafter, taking this device's measured costs from their one owner
+(:func:`mlx_stream.cost.device_costs`) only where the plan needs them (``"auto"``,
+``"dynamic:auto"``, ``"budget"``). :func:`make_drafter` is the two in one call, and
+:func:`resolve_tree` a plan's static tree.
+
+``tree="auto"`` (:func:`auto_tree`): a tree of N drafted nodes is worth its expected
+tokens per forward pass, tau (the heads' held-out acceptance, measured at training:
+``HeadConfig.tree_taus``), divided by what a step with it costs relative to a plain
+step on this device: the (N+1)-token forward's cost c(N+1) plus the time to draft
+the tree. tau / cost is the speedup the tree would give if the loop had no other
+overhead (Medusa's tree choice, Cai et al. 2024, sec. 2.1.2, with the device's
+measured cost model in place of a fixed budget; cf. Sequoia, Chen et al. 2024). The
+costs depend on the device, the dtype and the BLAS, so they are measured once per
+model + heads + device and cached; the choice from them is cheap and made anew.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
+from .budget import BudgetDrafter, head_values
+from .cost import StepCosts, device_costs
 from .defaults import AUTO_TREE, BUDGET_TREE, PROMPT_LOOKUP
 from .drafters import Drafter, DynamicTreeDrafter, EagleDrafter, HeadsDrafter, LookupDrafter, NoDrafter
-from .tree import Tree, no_drafts, parse_tree
+from .tree import Tree, format_tree, no_drafts, parse_tree
 
 TreeSpec = str | Sequence[Sequence[int]] | Tree | None
 
@@ -76,6 +97,284 @@ def check_prompt_lookup(prompt_lookup: int | None) -> None:
         raise ValueError(f"prompt_lookup must be an integer >= 0 (0: off) or None, got {prompt_lookup!r}")
 
 
+def candidate_trees(heads) -> list[tuple[Tree, float]]:
+    """The heads' candidate trees, parsed once: ``(tree, tau)`` for each entry of
+    ``HeadConfig.tree_taus`` (written by ``mlx-stream train``: the held-out tokens per
+    forward of each tree), in the order of their specs; empty without heads or
+    candidates.
+
+    Raises:
+        ValueError: a stored tree deeper than the heads or malformed (a damaged config).
+    """
+    if heads is None:
+        return []
+    taus = heads.config.tree_taus or {}
+    return [(parse_tree(t, heads.num_heads), float(tau)) for t, tau in sorted(taus.items()) if t != "none"]
+
+
+def score_trees(candidates: Sequence[tuple[Tree, float]], costs: StepCosts) -> dict:
+    """Score candidate trees by this device's measured costs.
+
+    Args:
+        candidates: ``(tree, tau)`` pairs (tau: expected tokens per forward pass).
+        costs: the device's :class:`~mlx_stream.cost.StepCosts`, with the drafting
+            time of each candidate's size (:func:`~mlx_stream.cost.device_costs`).
+
+    Returns:
+        ``{"best": i, "t1_ms": ..., "sizes": [{"tree", "nodes", "tau", "cost", "draft_ms",
+        "speedup_bound"}, ...]}`` in the order of ``candidates``; ``cost`` is c(N+1) plus
+        the drafting time in units of a 1-token forward, ``speedup_bound = tau / cost``.
+    """
+    sizes = []
+    for tree, tau in candidates:
+        cost = costs.step([tree.size - 1])
+        sizes.append(
+            {
+                "tree": format_tree(tree) or "none",
+                "nodes": tree.size - 1,
+                "tau": tau,
+                "cost": cost,
+                "draft_ms": costs.draft_ms.get(tree.size - 1, 0.0),
+                "speedup_bound": tau / cost,
+            }
+        )
+    best = max(range(len(sizes)), key=lambda i: sizes[i]["speedup_bound"])
+    return {"best": best, "t1_ms": costs.t1_ms, "sizes": sizes}
+
+
+def auto_tree(
+    model,
+    cache_dir: str | Path | None = None,
+    refresh: bool = False,
+    candidates: Sequence[tuple[Tree, float]] | None = None,
+) -> tuple[Tree, dict]:
+    """The tree among the heads' candidates with the best tau / cost on this device.
+
+    Args:
+        model: a :class:`~mlx_stream.model.SpeculativeModel` whose heads carry
+            ``config.tree_taus`` (written by ``mlx-stream train``).
+        cache_dir: where the measured costs are kept (default:
+            :func:`mlx_stream.loader.cache_dir` / ``costs``; :func:`~mlx_stream.cost.device_costs`).
+        refresh: measure the costs again even when they are cached.
+        candidates: the heads' parsed candidates (:func:`candidate_trees`; the drafting
+            plan passes its own); None parses them here.
+
+    Returns:
+        ``(tree, info)``: ``info`` is :func:`score_trees`'s result plus ``cached``
+        (whether the costs came from the cache). Plain decoding (the root-only tree,
+        tau 1) is always a candidate: no tree may pay on this device.
+
+    Raises:
+        ValueError: no heads, or heads without candidate trees (retrain them, or pass a tree).
+    """
+    if model.heads is None:
+        raise ValueError("tree='auto' chooses among the heads' trees: load heads first")
+    if candidates is None:
+        candidates = candidate_trees(model.heads)
+    if not candidates:
+        raise ValueError(
+            "these heads carry no candidate trees (config.json 'tree_taus', written by "
+            "`mlx-stream train`); pass a tree such as '0;1;0,0' instead of 'auto'"
+        )
+    by_size = {t.size: t for t, _ in candidates}  # drafting time is measured once per size
+    costs = device_costs(model, [by_size[n] for n in sorted(by_size)], cache_dir, refresh)
+    scored = [(no_drafts(), 1.0)] + list(candidates)
+    info = score_trees(scored, costs) | {"cached": costs.cached}
+    return scored[info["best"]][0], info
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """How a model drafts, decided once (:func:`plan_drafting`); every tree in it parsed.
+
+    Attributes:
+        kind: ``"none"`` (no heads: prompt lookup alone, or plain decoding),
+            ``"static"`` (the heads fill :attr:`tree`), ``"auto"`` (the candidate with
+            the best tau / cost here), ``"dynamic"`` (EAGLE-2's dynamic tree of
+            :attr:`budget` nodes, 0: chosen here, :attr:`width` children per node) or
+            ``"budget"`` (:class:`~mlx_stream.budget.BudgetDrafter`), ``"draft"`` (a
+            separate draft model's tree, :class:`~mlx_stream.draft_model.DraftModelDrafter`:
+            :attr:`budget` nodes, :attr:`width` children per expanded node,
+            :attr:`depth` deep, expansion stopping below :attr:`p_min`).
+        tree: the static tree (``"static"``), the heads' stored tree (``"budget"``'s
+            base), else None.
+        candidates: the heads' candidate trees and held-out taus, parsed
+            (:func:`candidate_trees`); read by ``"auto"``,
+            ``"dynamic"`` with budget 0 and ``"budget"``.
+        prompt_lookup: the most tokens prompt lookup copies per step (0: off).
+        store: the datastore beside prompt lookup, or None.
+        spec: the spec as given, for messages.
+        draft: the :class:`~mlx_stream.draft_model.DraftModel` (``"draft"``).
+    """
+
+    kind: str
+    tree: Tree | None = None
+    candidates: tuple = ()
+    budget: int = 0
+    width: int = 4
+    prompt_lookup: int = 0
+    store: object = None
+    spec: object = None
+    draft: object = None
+    depth: int = 0
+    p_min: float = 0.0
+
+    @property
+    def measures_costs(self) -> bool:
+        """Whether building the drafter reads this device's measured costs."""
+        return self.kind in ("auto", "budget") or (self.kind == "dynamic" and self.budget == 0)
+
+
+def plan_drafting(
+    model,
+    tree: TreeSpec = None,
+    prompt_lookup: int | None = None,
+    store=None,
+    sampled: bool = False,
+    draft_model=None,
+    num_draft_tokens: int | None = None,
+) -> DraftPlan:
+    """Read the drafting choices against ``model`` once: the :class:`DraftPlan`.
+
+    Args: as :func:`make_drafter`.
+
+    Raises:
+        ValueError: a bad tree spec or ``prompt_lookup``, a tree deeper than the heads,
+            a dynamic tree without eagle heads, or ``"budget"`` with eagle heads
+            (:func:`build_drafter` refuses ``"auto"`` where the heads carry no
+            candidate trees).
+    """
+    check_prompt_lookup(prompt_lookup)
+    heads = model.heads
+    if store is None:
+        store = getattr(model, "datastore", None)
+    store = store or None
+    if prompt_lookup is None:
+        drafts = heads is not None or is_budget(tree) or draft_model is not None
+        prompt_lookup = PROMPT_LOOKUP if drafts else 0
+    common = {"prompt_lookup": prompt_lookup, "store": store, "spec": tree}
+    if draft_model is not None:
+        return _draft_model_plan(draft_model, tree, num_draft_tokens, common)
+    if num_draft_tokens is not None:
+        raise ValueError("num_draft_tokens sets a draft model's chain: pass draft_model too")
+    if is_budget(tree):
+        if heads is not None and heads.autoregressive:
+            raise ValueError(
+                "the budgeted tree ('budget') drafts from heads that read one hidden state; these are "
+                "eagle heads: use a static tree or 'dynamic:N'"
+            )
+        base = parse_tree(stored_tree(model), heads.num_heads) if heads is not None else None
+        return DraftPlan("budget", base, tuple(candidate_trees(heads)), **common)
+    if tree is None:
+        tree = stored_tree(model, sampled)
+    if heads is None:
+        if dynamic_spec(tree) is None and not is_auto(tree):
+            parse_tree(tree, 1 << 10)  # a malformed spec is refused with or without heads
+        return DraftPlan("none", **common)
+    dyn = dynamic_spec(tree)
+    if dyn is not None:
+        if not heads.autoregressive:
+            raise ValueError(
+                f"a dynamic tree ({tree!r}) needs eagle heads (an EAGLE-style draft layer); "
+                f"these heads are {heads.config.architecture!r}: use a static tree"
+            )
+        cands = tuple(candidate_trees(heads)) if dyn[0] == 0 else ()
+        return DraftPlan("dynamic", None, cands, dyn[0], dyn[1], **common)
+    if is_auto(tree):
+        return DraftPlan("auto", None, tuple(candidate_trees(heads)), **common)
+    return DraftPlan("static", parse_tree(tree, heads.num_heads), **common)
+
+
+def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
+    from .draft_model import DRAFT_TREE, DraftModel
+
+    if not isinstance(draft, DraftModel):
+        raise TypeError(
+            "draft_model must be a DraftModel (mlx_stream.load(..., draft_model=SPEC) or "
+            f"mlx_stream.load_draft(SPEC, model, tokenizer)), got {type(draft).__name__}"
+        )
+    if num_draft_tokens is not None:
+        if (
+            isinstance(num_draft_tokens, bool)
+            or not isinstance(num_draft_tokens, int)
+            or num_draft_tokens < 1
+        ):
+            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
+        if tree is not None:
+            raise ValueError("pass either num_draft_tokens (a chain) or a tree for the draft model, not both")
+        k = num_draft_tokens
+        return DraftPlan("draft", budget=k + 1, width=1, depth=k, draft=draft, **common)
+    budget, width, depth, p_min = DRAFT_TREE
+    dyn = dynamic_spec(tree)
+    if dyn is not None and dyn[0] == 0:
+        raise ValueError(f"{tree!r}: a draft model's tree takes a node budget: dynamic:N[,W]")
+    if dyn is not None:
+        budget, width = dyn
+    elif tree is not None:
+        raise ValueError(
+            f"a draft model drafts its own tree: tree must be None, 'dynamic:N[,W]' (N nodes, W children "
+            f"per expanded node) or num_draft_tokens=K (a chain), got {tree!r}"
+        )
+    return DraftPlan("draft", budget=budget, width=width, depth=depth, p_min=p_min, draft=draft, **common)
+
+
+def build_drafter(model, plan: DraftPlan, costs=None, draft_cache=None) -> Drafter:
+    """The drafter a :class:`DraftPlan` describes, with prompt lookup's chain beside the
+    heads' tree where the plan has it on.
+
+    Args:
+        model: the model the plan was made for.
+        plan: :func:`plan_drafting`'s result.
+        costs: this device's :class:`~mlx_stream.cost.StepCosts` for the plan's
+            candidates; None: :func:`~mlx_stream.cost.device_costs` (measured once,
+            then cached) where :attr:`DraftPlan.measures_costs`.
+        draft_cache: the draft model's :class:`~mlx_stream.draft_model.DraftCache`
+            (``"draft"``; :meth:`mlx_stream.generate.PromptCache.draft_cache` keeps one
+            per prompt cache); None: a fresh one.
+    """
+    if plan.kind == "budget":
+        trees = [t for t, _ in head_values(plan.candidates)]
+        if costs is None:
+            costs = device_costs(model, trees)
+        base = HeadsDrafter(model, plan.tree) if plan.tree is not None else NoDrafter()
+        return BudgetDrafter(
+            model,
+            costs,
+            base,
+            num_draft=max(plan.prompt_lookup, 1),
+            store=plan.store,
+            chains=plan.prompt_lookup > 0,
+            candidates=plan.candidates,
+        )
+    if plan.kind == "none":
+        drafter = NoDrafter()
+    elif plan.kind == "draft":
+        from .draft_model import DraftCache, DraftModelDrafter
+
+        cache = draft_cache if draft_cache is not None else DraftCache(plan.draft)
+        drafter = DraftModelDrafter(cache, plan.budget, plan.width, plan.depth, plan.p_min)
+    elif plan.kind == "dynamic":
+        budget = plan.budget
+        if budget == 0:  # the node budget whose best static tree pays most here (EAGLE-2's N from c(N))
+            budget = _best_tree(model, plan, costs).size
+        drafter = (
+            DynamicTreeDrafter(model, budget, plan.width) if budget >= 2 else EagleDrafter(model, no_drafts())
+        )
+    else:
+        tree = plan.tree if plan.kind == "static" else _best_tree(model, plan, costs)
+        drafter = (EagleDrafter if model.heads.autoregressive else HeadsDrafter)(model, tree)
+    if plan.prompt_lookup:
+        return LookupDrafter(drafter, plan.prompt_lookup, store=plan.store)
+    return drafter
+
+
+def _best_tree(model, plan: DraftPlan, costs) -> Tree:
+    if costs is None:
+        return auto_tree(model, candidates=plan.candidates)[0]
+    scored = [(no_drafts(), 1.0)] + list(plan.candidates)
+    return scored[score_trees(scored, costs)["best"]][0]
+
+
 def resolve_tree(model, spec: TreeSpec = None) -> Tree:
     """The draft tree a spec names for ``model``.
 
@@ -83,7 +382,7 @@ def resolve_tree(model, spec: TreeSpec = None) -> Tree:
         model: a :class:`~mlx_stream.model.SpeculativeModel`.
         spec: ``None``: the tree stored with the heads (``HeadConfig.tree``, chosen at
             training), else the default sparse tree; ``"auto"``: the heads' candidate
-            with the best expected speed on this device (:func:`~mlx_stream.autotree.auto_tree`,
+            with the best expected speed on this device (:func:`auto_tree`,
             measured once, then cached); a preset (``"sparse"``, ``"chain"``,
             ``"chain:K"``, ``"none"``), rank paths such as ``"0;1;0,0"``, a list of paths
             or a :class:`~mlx_stream.tree.Tree` (:func:`~mlx_stream.tree.parse_tree`).
@@ -96,21 +395,17 @@ def resolve_tree(model, spec: TreeSpec = None) -> Tree:
         ValueError: a malformed spec, a tree deeper than the loaded heads, ``"auto"``
             without heads that carry candidate trees, or a dynamic tree.
     """
-    heads = model.heads
-    if spec is None and heads is not None and heads.config.tree:
-        spec = heads.config.tree
     if dynamic_spec(spec) is not None or is_budget(spec):
         raise ValueError(
             f"{spec!r} is a dynamic tree (its shape changes every step): use it with make_drafter or "
             "stream_generate, not as a static tree"
         )
-    if is_auto(spec):
-        from .autotree import auto_tree
-
-        return auto_tree(model)[0]
-    if heads is None:
+    if is_auto(spec) and model.heads is None:
+        return auto_tree(model)[0]  # refused: it says to load heads
+    if model.heads is None:
         return no_drafts() if spec is None else parse_tree(spec, 1 << 10)
-    return parse_tree(spec, heads.num_heads)
+    plan = plan_drafting(model, spec, prompt_lookup=0, store=False)
+    return plan.tree if plan.kind == "static" else _best_tree(model, plan, None)
 
 
 def stored_tree(model, sampled: bool = False) -> str | None:
@@ -124,7 +419,14 @@ def stored_tree(model, sampled: bool = False) -> str | None:
 
 
 def make_drafter(
-    model, tree: TreeSpec = None, prompt_lookup: int | None = None, store=None, sampled: bool = False
+    model,
+    tree: TreeSpec = None,
+    prompt_lookup: int | None = None,
+    store=None,
+    sampled: bool = False,
+    draft_model=None,
+    num_draft_tokens: int | None = None,
+    draft_cache=None,
 ) -> Drafter:
     """The drafter for ``model``: its stream heads filling ``tree`` (or nothing without
     heads), with prompt lookup's chain beside them.
@@ -134,7 +436,7 @@ def make_drafter(
         tree: a tree spec (:func:`resolve_tree`), ``"dynamic:N[,W]"`` for EAGLE-2's
             dynamic tree (:class:`~mlx_stream.drafters.DynamicTreeDrafter`, eagle heads
             only; ``"dynamic:auto[,W]"``: N is the size of the heads' candidate tree with
-            the best tau / cost on this device, :func:`~mlx_stream.autotree.auto_tree`,
+            the best tau / cost on this device, :func:`auto_tree`,
             and a plain step when no tree pays), or ``"budget"``: each step's tree
             budgeted across the heads' candidate trees, prompt lookup and the
             datastore by estimated acceptance and this device's measured costs
@@ -151,57 +453,19 @@ def make_drafter(
         sampled: the drafts serve sampled decoding (temperature > 0): ``tree=None`` is
             then the heads' ``sampled_tree`` where they store one
             (:class:`~mlx_stream.heads.HeadConfig`).
+        draft_model: a :class:`~mlx_stream.draft_model.DraftModel` that drafts instead
+            of the heads: its own tree (EAGLE-2's expansion, :data:`~mlx_stream.draft_model.DRAFT_TREE`
+            by default; ``tree="dynamic:N[,W]"`` sets the node budget and width), or a
+            chain of ``num_draft_tokens``.
+        num_draft_tokens: the draft model drafts a chain of this many tokens (mlx-lm's
+            name), as :class:`~mlx_stream.draft_model.DraftModelDrafter` with width 1.
+        draft_cache: the draft model's cache to draft from (kept across calls by a
+            :class:`~mlx_stream.generate.PromptCache`); None: a fresh one.
 
     Raises:
-        ValueError: a bad tree spec or ``prompt_lookup``, or a dynamic tree without eagle heads.
+        ValueError: a bad tree spec or ``prompt_lookup``, a dynamic tree without eagle
+            heads, or ``num_draft_tokens`` without a draft model or below 1.
+        TypeError: a ``draft_model`` that is not a :class:`~mlx_stream.draft_model.DraftModel`.
     """
-    check_prompt_lookup(prompt_lookup)
-    if store is None:
-        store = getattr(model, "datastore", None)
-    if is_budget(tree):
-        return _budget_drafter(model, prompt_lookup, store or None)
-    if tree is None:
-        tree = stored_tree(model, sampled)
-    dyn = dynamic_spec(tree) if model.heads is not None else None
-    if dyn is not None:
-        if not model.heads.autoregressive:
-            raise ValueError(
-                f"a dynamic tree ({tree!r}) needs eagle heads (an EAGLE-style draft layer); "
-                f"these heads are {model.heads.config.architecture!r}: use a static tree"
-            )
-        budget = dyn[0]
-        if budget == 0:  # the node budget whose best static tree pays most here (EAGLE-2's N from c(N))
-            from .autotree import auto_tree
-
-            budget = auto_tree(model)[0].size
-        drafter = (
-            DynamicTreeDrafter(model, budget, dyn[1]) if budget >= 2 else EagleDrafter(model, no_drafts())
-        )
-    elif model.heads is None:
-        drafter = NoDrafter()
-    elif model.heads.autoregressive:
-        drafter = EagleDrafter(model, resolve_tree(model, tree))
-    else:
-        drafter = HeadsDrafter(model, resolve_tree(model, tree))
-    if prompt_lookup is None:
-        prompt_lookup = PROMPT_LOOKUP if model.heads is not None else 0
-    return LookupDrafter(drafter, prompt_lookup, store=store or None) if prompt_lookup else drafter
-
-
-def _budget_drafter(model, prompt_lookup: int | None, store):
-    from .budget import BudgetDrafter, head_candidates, measure_costs
-
-    heads = model.heads
-    if heads is not None and heads.autoregressive:
-        raise ValueError(
-            "the budgeted tree ('budget') drafts from heads that read one hidden state; these are eagle "
-            "heads: use a static tree or 'dynamic:N'"
-        )
-    if prompt_lookup is None:
-        prompt_lookup = PROMPT_LOOKUP
-    cands = [t for t, _ in head_candidates(heads)] if heads is not None else []
-    base = HeadsDrafter(model, resolve_tree(model, None)) if heads is not None else NoDrafter()
-    costs = measure_costs(model, cands)
-    return BudgetDrafter(
-        model, costs, base, num_draft=max(prompt_lookup, 1), store=store, chains=prompt_lookup > 0
-    )
+    plan = plan_drafting(model, tree, prompt_lookup, store, sampled, draft_model, num_draft_tokens)
+    return build_drafter(model, plan, draft_cache=draft_cache)

@@ -32,6 +32,7 @@ from .cache import WindowKVCache, attention_mask, cache_offset, keep_path, quant
 from .drafters import (
     AcceptanceObserver,
     StepTimer,
+    drafts_own_tree,
     is_static_step,
     propose,
     queued_drafter,
@@ -385,7 +386,7 @@ class StepPipeline:
             drafts,
             hist,
             static=static,
-            observed=depth >= 1 and (static or tree.size == expected),
+            observed=depth >= 1 and (static or tree.size == expected or drafts_own_tree(self.drafter)),
             tells_drafter=tree.size > 1 or not static,
         )
 

@@ -226,9 +226,21 @@ def parse_tree(spec: str | Sequence[Sequence[int]] | Tree | None, num_heads: int
             )
     else:
         tree = build_tree(spec)
+    check_depth(tree, num_heads)
+    return tree
+
+
+def check_depth(tree: Tree, num_heads: int) -> None:
+    """Refuse a tree that ``num_heads`` stream heads cannot fill (one head per depth).
+
+    Raises:
+        TypeError: ``tree`` is not a :class:`Tree` (parse a spec with :func:`parse_tree`).
+        ValueError: the tree is deeper than ``num_heads``.
+    """
+    if not isinstance(tree, Tree):
+        raise TypeError(f"expected a Tree (parse a spec with parse_tree), got {type(tree).__name__}")
     if tree.size > 1 and tree.depth > num_heads:
         raise ValueError(
             f"tree depth {tree.depth} needs {tree.depth} stream heads but only {num_heads} "
             "are loaded: use a shallower tree (e.g. 'chain')"
         )
-    return tree

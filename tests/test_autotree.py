@@ -1,12 +1,13 @@
-"""tree="auto": the heads' candidate with the best tau / cost on this device, cached per device."""
+"""tree="auto": the heads' candidate with the best tau / cost on this device (costs cached per device)."""
 
 import json
 
 import pytest
 from helpers import mlx_lm_greedy, ours
 
-from mlx_stream.autotree import auto_tree, device_key
+from mlx_stream.cost import device_key
 from mlx_stream.heads import new_heads
+from mlx_stream.speculation import auto_tree
 
 
 @pytest.fixture()
@@ -29,14 +30,15 @@ def test_picks_the_best_expected_speed_and_caches_it(with_heads, tmp_path):
     assert rows[info["best"]] is best or rows[info["best"]] == best
     assert best["speedup_bound"] == pytest.approx(best["tau"] / best["cost"])
     assert best["tree"] in ("0;0,0", "0;1;0,0;0,0,0") and not info["cached"]
-    files = list((tmp_path / "cache" / "trees").glob("*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["key"] == device_key(model)
+    files = list((tmp_path / "cache" / "costs").glob("*.json"))  # the measured costs, cached
+    key = json.loads(files[0].read_text())["key"]
+    assert len(files) == 1 and key == device_key(model) | {"trees": [2, 3, 5]}
     again, info2 = auto_tree(model)
     assert info2["cached"] and again.choices == tree.choices
-    # an unreadable cache entry is measured again
+    # an unreadable cache entry is measured again and rewritten
     files[0].write_text("{broken")
     _, info3 = auto_tree(model)
-    assert not info3["cached"] and json.loads(files[0].read_text())["best"] == info3["best"]
+    assert not info3["cached"] and json.loads(files[0].read_text())["key"] == key
 
 
 def test_plain_decoding_wins_when_no_tree_pays(with_heads):
@@ -52,7 +54,7 @@ def test_other_heads_get_their_own_choice(with_heads, tmp_path):
     auto_tree(model)
     model.heads.config.tree_taus = {"0": 1.5, "0;0,0": 2.5}
     _, info = auto_tree(model)
-    assert not info["cached"] and len(list((tmp_path / "cache" / "trees").glob("*.json"))) == 2
+    assert not info["cached"] and len(list((tmp_path / "cache" / "costs").glob("*.json"))) == 2
 
 
 def test_generation_with_tree_auto_is_lossless(with_heads):

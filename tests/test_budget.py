@@ -5,7 +5,9 @@ import itertools
 import numpy as np
 import pytest
 
-from mlx_stream.budget import PRIORS, BudgetDrafter, StepCosts, head_candidates, plan_budget
+from mlx_stream.budget import PRIORS, BudgetDrafter, head_values, plan_budget
+from mlx_stream.cost import StepCosts
+from mlx_stream.speculation import candidate_trees
 
 
 def test_plan_budget_is_the_best_plan_when_cost_depends_on_the_node_count():
@@ -32,12 +34,12 @@ def test_step_costs_interpolate_and_add_the_heads_drafting():
     assert c.step([3, 1]) == pytest.approx(c.forward(5) + 0.3)
 
 
-def test_head_candidates_of_the_shipped_heads():
+def test_head_values_of_the_shipped_heads():
     from mlx_stream.heads import load_heads
     from mlx_stream.loader import default_heads_path
 
     heads = load_heads(default_heads_path("smollm2-135m-instruct"))
-    cands = head_candidates(heads)
+    cands = head_values(candidate_trees(heads))
     assert [t.size - 1 for t, _ in cands] == list(range(1, 16))
     values = [v for _, v in cands]
     assert values == sorted(values, reverse=True) and 0.4 < values[0] < 0.6
@@ -70,13 +72,25 @@ def test_budgeted_decoding_is_lossless_and_mixes_sources(budget_model):
         ref = list(mlx_lm_greedy(model.backbone, tok, ids, 40))
         wrong = Datastore.from_sequences([[(t + 1) % 50 for t in ref], ref[::-1]] * 2)
         for store in (Datastore.from_sequences([ref] * 2), wrong, None):
-            d = BudgetDrafter(model, costs, make_drafter(model, "0", 0), store=store)
+            d = BudgetDrafter(
+                model,
+                costs,
+                make_drafter(model, "0", 0),
+                candidates=candidate_trees(model.heads),
+                store=store,
+            )
             got, _ = ours(model, tok, ids, 40, drafter=d)
             assert got == ref
         got, _ = ours(model, tok, ids, 40, tree="budget")  # measured costs, cached for this device
         assert got == ref
     # the right store is drafted and accepted: far fewer forward passes than heads alone
-    d = BudgetDrafter(model, costs, make_drafter(model, "0", 0), store=Datastore.from_sequences([ref] * 2))
+    d = BudgetDrafter(
+        model,
+        costs,
+        make_drafter(model, "0", 0),
+        candidates=candidate_trees(model.heads),
+        store=Datastore.from_sequences([ref] * 2),
+    )
     _, rs = ours(model, tok, ids, 40, drafter=d)
     _, plain = ours(model, tok, ids, 40, tree="0", prompt_lookup=0)
     assert rs[-1].forward_passes < plain[-1].forward_passes / 2
@@ -92,7 +106,14 @@ def test_budget_proposes_both_chains_and_learns_their_acceptance(budget_model):
     model, tok = budget_model
     costs = StepCosts({1: 1.0, 2: 1.02, 32: 1.62}, t1_ms=10.0)
     store = Datastore.from_sequences([[7, 8, 30, 31, 32, 33]] * 3)
-    d = BudgetDrafter(model, costs, make_drafter(model, "0", 0), store=store, num_draft=4)
+    d = BudgetDrafter(
+        model,
+        costs,
+        make_drafter(model, "0", 0),
+        candidates=candidate_trees(model.heads),
+        store=store,
+        num_draft=4,
+    )
     hidden = mx.zeros((model.args.hidden_size,))
     ctx = [
         5,
@@ -117,7 +138,12 @@ def test_budget_proposes_both_chains_and_learns_their_acceptance(budget_model):
     d.observe(tree, node_tokens, [30, 31, 32, 33, 1])
     assert d.acceptance("store", 2) > before[0] and d.acceptance("context", 2) < before[1]
     # expensive nodes: the budget keeps only what pays (nothing here: tiny values, costly nodes)
-    dear = BudgetDrafter(model, StepCosts({1: 1.0, 2: 1.9, 32: 31.0}, 10.0), make_drafter(model, "0", 0))
+    dear = BudgetDrafter(
+        model,
+        StepCosts({1: 1.0, 2: 1.9, 32: 31.0}, 10.0),
+        make_drafter(model, "0", 0),
+        candidates=candidate_trees(model.heads),
+    )
     tree, _ = dear.propose(hidden, [1, 2, 3], max_depth=8)
     assert tree.size == 1
 
@@ -129,7 +155,7 @@ def test_budget_learns_what_steps_cost_and_tries_drafting_again(budget_model):
 
     model, tok = budget_model
     costs = StepCosts({1: 1.0, 2: 1.05, 32: 2.0}, t1_ms=10.0)
-    d = BudgetDrafter(model, costs, make_drafter(model, "0", 0))
+    d = BudgetDrafter(model, costs, make_drafter(model, "0", 0), candidates=candidate_trees(model.heads))
     hidden, ctx = mx.zeros((model.args.hidden_size,)), [1, 2, 3]
     assert d.propose(hidden, ctx, max_depth=8)[0].size == 4  # the heads' three nodes pay at these costs
     assert d.cost_scale == 1.0

@@ -82,3 +82,54 @@ def test_a_draft_with_another_tokenizer_is_refused(pair, tmp_path):
     small, stok = load(str(make_tiny_model_dir(tmp_path / "s", vocab=300)), heads=None, dtype="float32")
     with pytest.raises(ValueError, match="differs from the target's at token id"):
         check_draft_tokenizer(tok, stok, target.args.vocab_size, small.args.vocab_size)
+
+
+def test_stream_generate_drafts_with_a_draft_model_and_its_cache_follows_a_chat(pair, tmp_path):
+    """draft_model= in stream_generate and ChatSession: lossless (tree, chain, prompt lookup
+    joined), the draft's cache kept in the prompt cache across turns, bad arguments refused."""
+    from mlx_stream import ChatSession, PromptCache, load_draft, stream_generate
+    from mlx_stream.draft_model import DraftModelDrafter
+    from mlx_stream.drafters import LookupDrafter
+
+    target, tok, other, dtok = pair
+    draft = load_draft((other.backbone, dtok), target, tok)
+    plain, _ = _run(target, tok)
+    for kw in ({}, {"num_draft_tokens": 3}, {"tree": "dynamic:6,3"}, {"prompt_lookup": 0}):
+        got, last = _run(target, tok, draft_model=draft, **kw)
+        assert got == plain, kw
+        assert last.forward_passes < len(got) or kw.get("prompt_lookup") == 0  # it drafted
+    itself = load_draft((target.backbone, tok), target, tok)
+    got, last = _run(target, tok, draft_model=itself, num_draft_tokens=3, adaptive=False)
+    assert got == plain and last.tau >= 3.5  # the target drafting for itself: ~K + 1 tokens a pass
+    # the model's own draft model (load(..., draft_model=)) is the default; False turns it off
+    target.draft_model = itself
+    try:
+        pc = PromptCache(target)
+        got, _ = _run(target, tok, prompt_cache=pc)
+        assert got == plain and pc.draft is not None and pc.draft.draft is itself
+        assert pc.draft.tokens == pc.tokens[: len(pc.draft.tokens)]  # the draft follows the accepted tokens
+        _, off = _run(target, tok, draft_model=False, prompt_lookup=0)
+        assert off.tau == 1.0  # no heads, no draft model: plain
+        chat = ChatSession(target, tok, max_tokens=12, temp=0.0)
+        for turn in ("Hello there", "And again"):
+            "".join(r.text for r in chat.send(turn))
+        assert (
+            chat.cache.draft is not None
+            and chat.cache.draft.tokens == chat.cache.tokens[: len(chat.cache.draft.tokens)]
+        )
+    finally:
+        target.draft_model = None
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        next(stream_generate(target, tok, "hi", num_draft_tokens=2))
+    with pytest.raises(ValueError, match="num_draft_tokens must be"):
+        next(stream_generate(target, tok, "hi", draft_model=draft, num_draft_tokens=0))
+    with pytest.raises(ValueError, match="max_kv_size"):
+        next(stream_generate(target, tok, "hi", draft_model=draft, max_kv_size=64))
+    with pytest.raises(TypeError, match="DraftModel"):
+        next(stream_generate(target, tok, "hi", draft_model=other))
+    with pytest.raises(ValueError, match="draft model drafts its own tree"):
+        next(stream_generate(target, tok, "hi", draft_model=draft, tree="0;1"))
+    from mlx_stream.speculation import make_drafter
+
+    d = make_drafter(target, draft_model=draft)
+    assert isinstance(d, LookupDrafter) and isinstance(d.base, DraftModelDrafter)

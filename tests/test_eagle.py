@@ -333,9 +333,8 @@ def test_dynamic_tree_specs_are_checked(eagle, tiny_dir):
 def test_dynamic_auto_takes_the_budget_that_pays_on_this_device(eagle, tmp_path, monkeypatch):
     """dynamic:auto: N is the size of the candidate tree with the best tau / cost here
     (auto_tree, measured and cached), and a plain step when no tree pays."""
-    from mlx_stream.autotree import auto_tree
     from mlx_stream.drafters import DynamicTreeDrafter
-    from mlx_stream.speculation import make_drafter
+    from mlx_stream.speculation import auto_tree, make_drafter
 
     monkeypatch.setenv("MLX_STREAM_CACHE", str(tmp_path / "cache"))
     model, tok = eagle

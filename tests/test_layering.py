@@ -52,7 +52,6 @@ LAYERS = [
             "mlx_stream.repl",
             "mlx_stream.loader",
             "mlx_stream.cost",
-            "mlx_stream.autotree",
             "mlx_stream.bench",
             "mlx_stream.server",
             "mlx_stream.prompt_cache",

@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass
 
 # a continued run (``--init-heads``) starts from trained heads: one epoch at a lower peak
-# learning rate keeps what they knew (measured in the README, "5x the data": two epochs at
-# 1e-3 made head 1 worse on held-out prompts, one epoch at 3e-4 the best heads so far)
+# learning rate keeps what they knew (measured in docs/heads.md, "More data, soft targets,
+# continued training", its "5x the data" paragraph: two epochs at 1e-3 made head 1 worse on
+# held-out prompts, one epoch at 3e-4 the best heads so far)
 CONTINUED = {"epochs": 1.0, "lr": 3e-4, "warmup": 20}
 
 

@@ -303,8 +303,8 @@ def train_eagle(
     Args:
         seqs: :class:`EagleSequence` list (from :func:`sequence_features`).
         tokens: padded tokens per batch (256: ~190 optimizer steps per 48k positions; 4096
-            gave too few steps to learn in one epoch, README). steps: unroll steps (1 = no
-            training-time test).
+            gave too few steps to learn in one epoch, docs/benchmarks.md, "Head architectures and
+            ablations"). steps: unroll steps (1 = no training-time test).
 
     Returns:
         ``{"steps", "positions", "wall_s", "positions_per_s", "final_loss", "train_top1"}``.

@@ -361,8 +361,8 @@ def check_run_settings(
     if architecture == "msa":
         raise ValueError(
             "msa heads train on whole sequences and are not trained by `mlx-stream train`; they are "
-            "compared in benchmarks/compare_heads.py (README: hydra heads are better with a frozen "
-            "backbone)"
+            "compared in benchmarks/compare_heads.py (docs/benchmarks.md, 'Head architectures and "
+            "ablations': hydra heads are better with a frozen backbone)"
         )
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; use one of: hydra, residual, eagle")

@@ -16,7 +16,8 @@ drafts the heads' static tree without a prompt-lookup chain here too.
 Two approximations, both in near-ties only: batched generation can pick a different
 greedy token than single-sequence decoding (fp32 round-off), and the heads read
 float16 copies of the hidden states. Eagle heads also get the prompt's states (one
-teacher-forced prefill of the prompts). Measured against the real loop in the README.
+teacher-forced prefill of the prompts). Measured against the real loop in docs/heads.md
+("Evaluating by replay").
 """
 
 from __future__ import annotations

@@ -118,21 +118,23 @@ def tune_tree(
     N drafted nodes with the highest held-out tau (:func:`mlx_stream.tree.tree_from_ranks`),
     scored by tau / cost, where cost is the measured time of an (N + 1)-token forward
     plus drafting that tree with these heads, relative to a 1-token forward (the
-    plain decoding step; :func:`mlx_stream.autotree.score_trees`). Sets
+    plain decoding step; :func:`mlx_stream.speculation.score_trees`). Sets
     ``heads.config.tree`` to the best and ``heads.config.tree_taus`` to every size's
     tree and tau (the candidates of ``tree="auto"`` on other devices).
 
     Returns ``{"best": N, "sizes": {N: {"tree", "tau", "cost", "draft_ms", "speedup_bound"}}}``
     (``speedup_bound`` = tau / cost: the speedup if the loop had no other overhead).
     """
-    from mlx_stream.autotree import score_trees
+    from mlx_stream.cost import measure_costs
     from mlx_stream.model import SpeculativeModel
+    from mlx_stream.speculation import score_trees
     from mlx_stream.tree import format_tree, tree_from_ranks
 
     if ranks is None:  # ranks of heads that read one position (eagle heads bring their own)
         ranks = head_ranks(model, heads, valid)
     best_trees = [tree_from_ranks(ranks, n) for n in range(max_nodes + 1)]
-    scored = score_trees(SpeculativeModel(model.backbone, heads), best_trees)
+    costs = measure_costs(SpeculativeModel(model.backbone, heads), [t for t, _ in best_trees])
+    scored = score_trees(best_trees, costs)
     sizes = {n: {k: v for k, v in row.items() if k != "nodes"} for n, row in enumerate(scored["sizes"])}
     best = scored["best"]
     heads.config.tree = sizes[best]["tree"]

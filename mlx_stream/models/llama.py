@@ -18,8 +18,8 @@ FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 def _queue_every() -> int:
     # On the CPU backend a tree forward is queued (mx.async_eval) every 2 layers while the
     # host records the rest of its graph, so recording (~5-7 ms of a ~70 ms step for
-    # SmolLM2-135M) overlaps computing: drafting steps 7-10% faster here (README,
-    # "Pipelined steps"). Not measured on a GPU, so not done there.
+    # SmolLM2-135M) overlaps computing: drafting steps 7-10% faster here
+    # (docs/benchmarks.md, "Pipelined steps"). Not measured on a GPU, so not done there.
     return 2 if mx.default_device() == mx.cpu else 0
 
 

@@ -43,6 +43,8 @@ _EXPORTS = {
     "load": ".loader",
     "load_draft": ".loader",
     "make_drafter": ".speculation",
+    "plan_drafting": ".speculation",
+    "build_drafter": ".speculation",
     "parse_tree": ".tree",
     "resolve_tree": ".speculation",
     "stream_generate": ".generate",

@@ -147,6 +147,8 @@ SLOW_S = {
     "test_cli.py::test_train_end_to_end_and_resume": 90,
     "test_cli.py::test_train_killed_at_any_point_resumes_to_the_same_heads": 80,
     "test_kv.py::test_real_model_max_kv_size_equals_mlx_lm[64]": 80,
+    "test_draft_model.py::test_real_model_with_a_3_bit_copy_as_draft_is_lossless_greedy_and_seeded": 90,
+    "test_draft_model.py::test_sampling_with_a_draft_model_follows_the_plain_distribution": 60,
     "test_distributed.py::test_train_under_mlx_launch_equals_one_rank_and_resumes_after_a_rank_is_killed": 50,
     "test_server.py::test_real_model_streamed_greedy_text_equals_generate": 60,
     "test_kv.py::test_real_model_kv_bits_equals_mlx_lm": 50,

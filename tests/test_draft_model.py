@@ -133,3 +133,74 @@ def test_stream_generate_drafts_with_a_draft_model_and_its_cache_follows_a_chat(
 
     d = make_drafter(target, draft_model=draft)
     assert isinstance(d, LookupDrafter) and isinstance(d.base, DraftModelDrafter)
+
+
+N_CHI = 3_000  # runs of the draft-model chi-square test
+
+
+@pytest.mark.slow  # a chi-square test: minutes (make test-all)
+def test_sampling_with_a_draft_model_follows_the_plain_distribution(spread_dir):
+    """The joint distribution of the first 3 sampled tokens (T = 0.7, top_p = 0.9) with a
+    3-bit copy of the target drafting a tree, against plain decoding's exact
+    probabilities (tests/test_sampling.py's bins and test)."""
+    import mlx.nn as nn
+    from test_sampling import TOKENS, chi_square, exact_bins, sample_outcomes
+
+    from mlx_stream import load, load_draft
+    from mlx_stream.draft_model import DraftCache, DraftModelDrafter
+    from mlx_stream.sampling import SamplingParams
+
+    model, tok = load(str(spread_dir), heads=None, dtype="float32")
+    copy, _ = load(str(spread_dir), heads=None, dtype="float32")
+    nn.quantize(copy.backbone, group_size=32, bits=3)  # a real draft: close to the target, not equal
+    draft = load_draft((copy.backbone, tok), model, tok)
+    ids = tok.encode("The quick")
+    kw = {"temp": 0.7, "top_p": 0.9}
+    drafter = DraftModelDrafter(DraftCache(draft), budget=6, width=2, depth=3)
+    accepted = sum(r.accepted for r in stream_generate_all(model, tok, ids, drafter, kw))
+    assert accepted >= 5  # drafts are accepted (and rejected): the test sees both
+    bins = exact_bins(model, tok, ids, SamplingParams(**kw), [], N_CHI)
+    counts = sample_outcomes(model, tok, ids, kw, [], N_CHI, drafter=drafter, max_tokens=TOKENS + 1)
+    stat, p, dof = chi_square(counts, bins, N_CHI)
+    print(f"\ndraft model, T=0.7, top_p=0.9: chi2 {stat:.1f}, dof {dof}, p {p:.3f}")
+    assert len(bins) >= 20
+    assert p > 0.01, f"sampling with a draft model differs from plain sampling (chi2 {stat:.1f}, p {p:.2e})"
+
+
+def stream_generate_all(model, tok, ids, drafter, kw):
+    from mlx_stream import stream_generate
+
+    return list(stream_generate(model, tok, ids, max_tokens=40, drafter=drafter, seed=0, **kw))
+
+
+@pytest.mark.slow  # 3-bit kernels are slow on this CPU: ~1-2 min
+@pytest.mark.real
+def test_real_model_with_a_3_bit_copy_as_draft_is_lossless_greedy_and_seeded(real):
+    """The default model (float32) with a 3-bit copy of itself drafting (a real draft with
+    partial acceptance): greedy output is plain mlx-lm's, seeded sampled output is seeded
+    plain output token for token."""
+    import mlx.nn as nn
+    from helpers import mlx_lm_greedy
+
+    from mlx_stream import load, load_draft, stream_generate
+
+    model, tok = real
+    copy, _ = load("smollm2-135m-instruct", heads="none", dtype="float32")
+    nn.quantize(copy.backbone, group_size=64, bits=3)
+    draft = load_draft((copy.backbone, tok), model, tok)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True
+    )
+
+    def run(**kw):
+        out, last = [], None
+        for last in stream_generate(model, tok, ids, max_tokens=32, adaptive=False, **kw):
+            out += last.tokens
+        return out, last
+
+    got, last = run(draft_model=draft)
+    assert got == list(mlx_lm_greedy(model.backbone, tok, ids, 32))
+    assert last.forward_passes < len(got)  # some drafts were accepted
+    for seed in (0, 1):
+        plain, _ = run(draft_model=False, prompt_lookup=0, temp=0.7, seed=seed)
+        assert run(draft_model=draft, temp=0.7, seed=seed)[0] == plain

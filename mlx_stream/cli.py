@@ -940,6 +940,60 @@ def tasks(
     typer.echo(f"{out}: {len(derived)} prompts (" + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
 
 
+@app.command()
+def calibrate(
+    model: str = _MODEL,
+    draft_model: str = typer.Option(
+        "self",
+        "--draft-model",
+        help="The draft to calibrate: any form --model takes, or 'self' (a subset of the model's layers).",
+    ),
+    dtype: str = _DTYPE,
+    refresh: bool = typer.Option(
+        True, "--refresh/--cached", help="Measure again (default) or show the cached result."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
+):
+    """Measure how a draft model (or the model's own layer subsets, 'self') drafts on this
+    device: its greedy agreement with the model on held-out text, its forward's cost, the
+    chain length with the best expected speedup (0: drafting does not pay here). The result
+    is cached per model, draft and device and used by --draft-model.
+
+    Guide: docs/drafting.md
+    """
+    import json
+
+    from mlx_stream.calibrate import calibrate_draft, self_draft
+    from mlx_stream.loader import load_draft
+
+    _blas_hint()
+    m, tok = _load(model, NO_HEADS, dtype)
+    try:
+        if draft_model.strip() == "self":
+            _, info = self_draft(m, tok, refresh=refresh)
+            rows = info["candidates"]
+        else:
+            draft = load_draft(draft_model, m, tok, dtype, calibrate=False)
+            rows = [calibrate_draft(m, tok, draft, refresh=refresh) | {"keep": None}]
+            info = rows[0]
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    if json_out:
+        typer.echo(json.dumps({k: v for k, v in info.items() if k != "key"}, indent=1))
+        return
+    for i, r in enumerate(rows):
+        what = f"layers {','.join(map(str, r['keep']))}" if r.get("keep") else draft_model
+        best = " <- chosen" if len(rows) > 1 and i == info.get("best") else ""
+        typer.echo(
+            f"{what}: agreement {r['alpha']:.3f}, forward {r['r']:.2f}x the model's, "
+            f"best chain {r['depth']} (expected x{r['speedup']:.2f}){best}"
+        )
+    if all(r["depth"] == 0 for r in rows):
+        typer.echo(
+            "no draft pays on this device: --draft-model decodes plainly (--num-draft-tokens K forces it)"
+        )
+
+
 @app.command("answers")
 def answers_command(
     model: str = _MODEL,

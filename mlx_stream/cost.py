@@ -96,14 +96,14 @@ def measure_costs(model, heads_trees: Sequence[Tree] = (), repeats: int = 5) -> 
 def device_costs(model, heads_trees: Sequence[Tree] = (), cache_dir=None, refresh: bool = False) -> StepCosts:
     """This device's :class:`StepCosts` for ``model`` and its heads' ``heads_trees``
     (their drafting times, by drafted-node count), measured once (about half a minute
-    for the default model here) and cached in :func:`mlx_stream.loader.cache_dir` /
+    for the default model here) and cached in :func:`mlx_stream.files.cache_dir` /
     ``costs`` by :func:`device_key` and the trees' sizes; ``refresh`` measures again
     (``mlx-stream bench --tree auto`` after a change of machine load, for example).
     An unreadable cache entry is measured again and rewritten."""
     from .files import write_json
 
     if cache_dir is None:
-        from .loader import cache_dir as default_dir
+        from .files import cache_dir as default_dir
 
         cache_dir = default_dir() / "costs"
     key = device_key(model) | {"trees": [t.size for t in heads_trees]}

@@ -98,12 +98,21 @@ class DraftModel:
             quantization.
         vocab: the leading logits drafted from (:func:`check_draft_tokenizer`).
         name: how messages name it (its spec).
+
+    Attributes:
+        depth, budget: how deep it drafts and its tree's nodes on this device, where
+            measured (:func:`mlx_stream.calibrate.calibrate_draft`; depth 0: drafting
+            does not pay here), else None (:data:`DRAFT_TREE`).
+        calibration: what the calibration measured, or None.
     """
 
     def __init__(self, backbone, vocab: int, name: str = "draft"):
         from .models import family
 
         self.backbone, self.family, self.vocab, self.name = backbone, family(backbone), vocab, name
+        self.depth: int | None = None
+        self.budget: int | None = None
+        self.calibration: dict | None = None
 
 
 class DraftCache:

@@ -12,6 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def cache_dir() -> Path:
+    """Where mlx-stream keeps what it converts and measures (models, costs, calibrations,
+    answers): ``$MLX_STREAM_CACHE`` or ``~/.cache/mlx-stream``."""
+    return Path(os.environ.get("MLX_STREAM_CACHE", Path.home() / ".cache" / "mlx-stream"))
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
     """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it to ``path``.
 

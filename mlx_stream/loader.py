@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .defaults import DEFAULT_HEADS, DEFAULT_MODEL, NO_HEADS
+from .files import cache_dir
 from .model import SpeculativeModel
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
@@ -25,11 +27,6 @@ _FORMS = (
     f"the alias {', '.join(_ALIASES)}; an mlx-lm model folder (config.json + *.safetensors); "
     "a llama-architecture .gguf file; or a Hugging Face repo id such as 'mlx-community/SmolLM2-135M-Instruct'"
 )
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$MLX_STREAM_CACHE`` or ``~/.cache/mlx-stream``."""
-    return Path(os.environ.get("MLX_STREAM_CACHE", Path.home() / ".cache" / "mlx-stream"))
 
 
 def alias_gguf(spec: str | Path) -> Path | None:
@@ -313,18 +310,25 @@ def load(
     return sm, tokenizer
 
 
-def load_draft(spec, target, tokenizer, dtype: str = "auto"):
+def load_draft(spec, target, tokenizer, dtype: str = "auto", calibrate: bool = True):
     """Load a draft model for ``target`` (Leviathan et al. 2023; mlx-lm's ``--draft-model``).
 
     Args:
         spec: any form :func:`load` takes for ``model`` (alias, mlx-lm folder, ``.gguf``,
-            Hugging Face repo id), or an already loaded ``(model, tokenizer)`` pair
-            (an mlx-lm model or a :class:`SpeculativeModel`).
+            Hugging Face repo id), an already loaded ``(model, tokenizer)`` pair
+            (an mlx-lm model or a :class:`SpeculativeModel`), or ``"self"``: the target
+            drafts for itself with a subset of its own layers, sharing its weights,
+            the subset chosen by measurement on this device
+            (:func:`mlx_stream.calibrate.self_draft`).
         target: the :class:`SpeculativeModel` it drafts for.
         tokenizer: the target's tokenizer.
         dtype: the target's ``dtype``; a quantized draft keeps its stored weights (a
             quantized copy of a float target is the classic draft), a float draft takes
             the target's dtype.
+        calibrate: measure once on this device (then cached) how deep the draft drafts
+            (:func:`mlx_stream.calibrate.calibrate_draft`: its agreement with the target
+            and its relative cost); False: the default tree
+            (:data:`~mlx_stream.draft_model.DRAFT_TREE`). ``"self"`` is always calibrated.
 
     Returns:
         a :class:`~mlx_stream.draft_model.DraftModel`.
@@ -337,6 +341,13 @@ def load_draft(spec, target, tokenizer, dtype: str = "auto"):
     """
     from .draft_model import DraftModel, check_draft_tokenizer
 
+    if isinstance(spec, str) and spec.strip() == "self":
+        from .calibrate import self_draft
+
+        draft, info = self_draft(target, tokenizer)
+        draft.calibration = info["candidates"][info["best"]] | {"cached": info["cached"]}
+        _note_unpaid(draft)
+        return draft
     if isinstance(spec, tuple) and len(spec) == 2:
         backbone, draft_tok = spec
         backbone = getattr(backbone, "backbone", backbone)
@@ -362,4 +373,23 @@ def load_draft(spec, target, tokenizer, dtype: str = "auto"):
     from .cache import make_tree_cache
 
     make_tree_cache(backbone)  # refuses caches that cannot be rewound, before any decoding
-    return DraftModel(backbone, vocab, name)
+    draft = DraftModel(backbone, vocab, name)
+    if calibrate:
+        from .calibrate import calibrate_draft
+
+        info = calibrate_draft(target, tokenizer, draft)
+        draft.depth, draft.budget, draft.calibration = info["depth"], info["budget"], info
+        _note_unpaid(draft)
+    return draft
+
+
+def _note_unpaid(draft) -> None:
+    # a draft the calibration expects to lose: said once, at load, with how to force it
+    c = draft.calibration or {}
+    if draft.depth == 0:
+        print(
+            f"note: drafting with {draft.name} is not expected to pay on this device (agreement "
+            f"{c.get('alpha', 0):.2f}, a draft forward {c.get('r', 0):.2f}x the target's): decoding plainly; "
+            "num_draft_tokens / --num-draft-tokens K forces a chain (`mlx-stream calibrate` measures again)",
+            file=sys.stderr,
+        )

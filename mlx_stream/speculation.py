@@ -305,6 +305,11 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
         k = num_draft_tokens
         return DraftPlan("draft", budget=k + 1, width=1, depth=k, draft=draft, **common)
     budget, width, depth, p_min = DRAFT_TREE
+    if draft.depth is not None:  # measured on this device (mlx_stream.calibrate)
+        if draft.depth == 0 and dynamic_spec(tree) is None:
+            return DraftPlan("none", **common)  # drafting does not pay here: plain decoding
+        budget, depth = max(draft.budget, 2), max(draft.depth, 1)
+        width = 2 if budget > depth + 1 else 1
     dyn = dynamic_spec(tree)
     if dyn is not None and dyn[0] == 0:
         raise ValueError(f"{tree!r}: a draft model's tree takes a node budget: dynamic:N[,W]")

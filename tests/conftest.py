@@ -28,6 +28,7 @@ def make_tiny_model_dir(
     embed_scale: float = 1.0,
     hidden: int = 64,
     heads: int = 4,
+    layers: int = 2,
 ) -> Path:
     """Write an mlx-lm llama folder with random weights and a byte-level BPE tokenizer.
 
@@ -66,7 +67,7 @@ def make_tiny_model_dir(
     cfg = {
         "model_type": "llama",
         "hidden_size": hidden,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": layers,
         "intermediate_size": 128,
         "num_attention_heads": heads,
         "num_key_value_heads": 2,

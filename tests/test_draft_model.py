@@ -92,13 +92,13 @@ def test_stream_generate_drafts_with_a_draft_model_and_its_cache_follows_a_chat(
     from mlx_stream.drafters import LookupDrafter
 
     target, tok, other, dtok = pair
-    draft = load_draft((other.backbone, dtok), target, tok)
+    draft = load_draft((other.backbone, dtok), target, tok, calibrate=False)
     plain, _ = _run(target, tok)
     for kw in ({}, {"num_draft_tokens": 3}, {"tree": "dynamic:6,3"}, {"prompt_lookup": 0}):
         got, last = _run(target, tok, draft_model=draft, **kw)
         assert got == plain, kw
         assert last.forward_passes < len(got) or kw.get("prompt_lookup") == 0  # it drafted
-    itself = load_draft((target.backbone, tok), target, tok)
+    itself = load_draft((target.backbone, tok), target, tok, calibrate=False)
     got, last = _run(target, tok, draft_model=itself, num_draft_tokens=3, adaptive=False)
     assert got == plain and last.tau >= 3.5  # the target drafting for itself: ~K + 1 tokens a pass
     # the model's own draft model (load(..., draft_model=)) is the default; False turns it off
@@ -153,7 +153,7 @@ def test_sampling_with_a_draft_model_follows_the_plain_distribution(spread_dir):
     model, tok = load(str(spread_dir), heads=None, dtype="float32")
     copy, _ = load(str(spread_dir), heads=None, dtype="float32")
     nn.quantize(copy.backbone, group_size=32, bits=3)  # a real draft: close to the target, not equal
-    draft = load_draft((copy.backbone, tok), model, tok)
+    draft = load_draft((copy.backbone, tok), model, tok, calibrate=False)
     ids = tok.encode("The quick")
     kw = {"temp": 0.7, "top_p": 0.9}
     drafter = DraftModelDrafter(DraftCache(draft), budget=6, width=2, depth=3)
@@ -187,7 +187,7 @@ def test_real_model_with_a_3_bit_copy_as_draft_is_lossless_greedy_and_seeded(rea
     model, tok = real
     copy, _ = load("smollm2-135m-instruct", heads="none", dtype="float32")
     nn.quantize(copy.backbone, group_size=64, bits=3)
-    draft = load_draft((copy.backbone, tok), model, tok)
+    draft = load_draft((copy.backbone, tok), model, tok, calibrate=False)
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True
     )
@@ -204,3 +204,62 @@ def test_real_model_with_a_3_bit_copy_as_draft_is_lossless_greedy_and_seeded(rea
     for seed in (0, 1):
         plain, _ = run(draft_model=False, prompt_lookup=0, temp=0.7, seed=seed)
         assert run(draft_model=draft, temp=0.7, seed=seed)[0] == plain
+
+
+def test_expected_speedup_and_the_chosen_depth():
+    from mlx_stream.calibrate import best_depth, expected_speedup, tree_budget
+    from mlx_stream.cost import StepCosts
+
+    flat = StepCosts({1: 1.0, 32: 1.0}, t1_ms=10.0)  # a GPU-like c(N)
+    assert expected_speedup(1.0, 0.0, 3, flat) == pytest.approx(4.0)  # K + 1 tokens for one forward
+    assert expected_speedup(0.5, 0.1, 2, flat) == pytest.approx(1.75 / 1.2)
+    assert best_depth(0.9, 0.05, flat)[0] >= 4  # a good cheap draft drafts deep
+    steep = StepCosts({1: 1.0, 2: 1.3, 32: 10.0}, t1_ms=10.0)  # a CPU-like c(N)
+    assert best_depth(0.2, 0.5, steep) == (0, 1.0)  # a weak, dear draft does not pay: plain
+    assert tree_budget(3, flat) == 7 and tree_budget(3, steep) == 4  # siblings only where nodes are cheap
+
+
+def test_calibration_and_self_drafting_choose_by_measurement(pair, tmp_path, monkeypatch):
+    """calibrate_draft: the target as its own draft agrees everywhere; self_draft: a layer
+    subset sharing the target's weights, cached per device; both lossless."""
+    import mlx.core as mx
+
+    from mlx_stream import load_draft
+    from mlx_stream.calibrate import calibrate_draft, layer_subset, self_draft, subset_candidates
+
+    monkeypatch.setenv("MLX_STREAM_CACHE", str(tmp_path / "cache"))
+    target, tok, other, dtok = pair
+    n = len(target.backbone.model.layers)
+    full = layer_subset(target.backbone, range(n))
+    x = mx.array([[5, 6, 7, 8]])
+    assert mx.array_equal(full(x), target.backbone(x)).item()
+    half = layer_subset(target.backbone, [0, n - 1])
+    assert half.model.layers[0] is target.backbone.model.layers[0]  # shared, not copied
+    with pytest.raises(ValueError, match="increasing"):
+        layer_subset(target.backbone, [1, 0])
+    assert all(len(k) < 30 for k in subset_candidates(30)) and len(subset_candidates(30)) >= 5
+    itself = load_draft((target.backbone, tok), target, tok, calibrate=False)
+    info = calibrate_draft(target, tok, itself)
+    assert info["alpha"] == 1.0 and not info["cached"] and 0.5 < info["r"] < 2.0
+    assert calibrate_draft(target, tok, itself)["cached"]
+    other_draft = load_draft((other.backbone, dtok), target, tok, calibrate=False)
+    assert not calibrate_draft(target, tok, other_draft)[
+        "cached"
+    ]  # another draft of the same shape: its own entry
+    with pytest.raises(ValueError, match="no layer subset"):
+        self_draft(target, tok)  # 2 layers: nothing to skip
+    from mlx_stream import load
+
+    deep, dtok8 = load(str(make_tiny_model_dir(tmp_path / "deep", layers=8, embed_scale=0.26)), heads=None)
+    draft, sinfo = self_draft(deep, dtok8)
+    assert len(sinfo["candidates"]) >= 3 and draft.name.startswith("self")
+    assert all(0.0 <= c["alpha"] <= 1.0 and c["r"] > 0 for c in sinfo["candidates"])
+    assert len(draft.backbone.model.layers) < 8
+    assert draft.backbone.model.embed_tokens is deep.backbone.model.embed_tokens  # shared weights
+    plain, _ = _run(deep, dtok8)
+    got, _ = _run(deep, dtok8, draft_model=draft, num_draft_tokens=2)
+    assert got == plain
+    got, _ = _run(deep, dtok8, draft_model=draft)  # as calibrated (plain where it does not pay)
+    assert got == plain
+    same = load_draft("self", deep, dtok8)
+    assert same.calibration["cached"] and same.name == draft.name

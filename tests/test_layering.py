@@ -46,6 +46,7 @@ LAYERS = [
             "mlx_stream.budget",
             "mlx_stream.speculation",
             "mlx_stream.draft_model",
+            "mlx_stream.calibrate",
             "mlx_stream.steps",
             "mlx_stream.generate",
             "mlx_stream.chat",

@@ -3,8 +3,10 @@
 For each prompt, one after the other in one process and with the same weights (the
 target in float32, the draft as stored): plain ``mlx_lm.stream_generate``; mlx-lm's
 ``stream_generate(..., draft_model=, num_draft_tokens=K)`` for each K; and
-``mlx_stream.stream_generate(..., draft_model=)`` with its default tree and with a
-chain of each K. Reported per configuration: the median speed relative to plain
+``mlx_stream.stream_generate(..., draft_model=)`` as it ships (the depth calibrated on
+this device, adaptive speculation on), and with adaptive speculation off, a tree
+(``--trees``) and a chain of each K, so that tokens per target forward compare the
+drafting itself. Reported per configuration: the median speed relative to plain
 mlx-lm, and tokens per target forward (for mlx-lm: tokens emitted / tokens not from
 the draft, one per verifying forward). Greedy output must equal plain mlx-lm's.
 
@@ -57,7 +59,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temp", type=float, default=0.0)
     ap.add_argument("--k", type=int, nargs="+", default=[2, 3])
-    ap.add_argument("--trees", nargs="*", default=["default"], help="our trees: default or dynamic:N,W")
+    ap.add_argument(
+        "--trees", nargs="*", default=["dynamic:8,2"], help="our trees (adaptive off): dynamic:N,W"
+    )
     ap.add_argument("--prompt-lookup", type=int, default=0, help="ours: prompt lookup beside the draft")
     ap.add_argument("--out", default=None, help="write the per-prompt rows and the summary as JSON")
     a = ap.parse_args()
@@ -69,8 +73,9 @@ def main():
     configs = (
         [("mlx-lm plain", {})]
         + [(f"mlx-lm draft K={k}", {"k": k}) for k in a.k]
-        + [(f"mlx-stream tree {t}", {"tree": None if t == "default" else t}) for t in a.trees]
-        + [(f"mlx-stream chain K={k}", {"num_draft_tokens": k}) for k in a.k]
+        + [("mlx-stream as shipped", {})]
+        + [(f"mlx-stream tree {t}", {"tree": t, "adaptive": False}) for t in a.trees]
+        + [(f"mlx-stream chain K={k}", {"num_draft_tokens": k, "adaptive": False}) for k in a.k]
     )
     warm = prompt_ids(tok, "Hello")
     for name, c in configs:  # one-time costs hit no measurement

@@ -47,6 +47,7 @@ class Decoding:
         prompt_lookup: as :func:`mlx_stream.stream_generate` (None: its default).
         sampling: ``temp``, ``top_p``, ``top_k``, ``min_p``; greedy when empty or ``temp == 0``.
         num_draft_tokens: the draft model's chain length (``model.draft_model``), None: its tree.
+        adaptive: as :func:`mlx_stream.stream_generate` (None: its default, on).
     """
 
     max_tokens: int = 128
@@ -54,6 +55,7 @@ class Decoding:
     prompt_lookup: int | None = None
     sampling: dict = field(default_factory=dict)
     num_draft_tokens: int | None = None
+    adaptive: bool | None = None
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +68,7 @@ class Decoding:
             "tree": self.tree,
             "prompt_lookup": self.prompt_lookup,
             "num_draft_tokens": self.num_draft_tokens,
+            "adaptive": self.adaptive,
             **self.sampling,
         }
 
@@ -274,7 +277,7 @@ def decode_items(
     from .generate import stream_generate
 
     ctx = model.context_length
-    kwargs = decoding.kwargs() | {"temp": 0.0}
+    kwargs = decoding.kwargs() | {"temp": 0.0, "adaptive": False}
     rows = []
     for it in items:
         ids = prompt_ids(tokenizer, it["prompt"])
@@ -289,7 +292,7 @@ def decode_items(
             row["skipped"] = True
         else:
             last = None
-            for last in stream_generate(model, tokenizer, ids, adaptive=False, **kwargs):  # noqa: B007
+            for last in stream_generate(model, tokenizer, ids, **kwargs):  # noqa: B007
                 pass
             row["tokens"], row["forward_passes"] = last.tau * last.forward_passes, last.forward_passes
         rows.append(row)

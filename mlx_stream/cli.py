@@ -16,6 +16,7 @@ import sys
 import typing
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 
@@ -507,6 +508,21 @@ def server(
     learn: bool | None = _LEARN,
     draft_model: str | None = _DRAFT_MODEL,
     num_draft_tokens: int | None = _NUM_DRAFT,
+    api_key: list[str] = typer.Option(
+        [],
+        "--api-key",
+        help="Require 'Authorization: Bearer KEY' on every route but /health (repeatable; "
+        "@FILE reads one key per line). Default: $MLX_STREAM_API_KEY (comma-separated), else none.",
+    ),
+    max_queue: int = typer.Option(
+        32, "--max-queue", help="Requests that may wait while one decodes; beyond: 503 with Retry-After."
+    ),
+    max_body_mb: float = typer.Option(8.0, "--max-body-mb", help="Largest request body (MB); beyond: 413."),
+    request_timeout: float | None = typer.Option(
+        None,
+        "--request-timeout",
+        help="Seconds a request may decode; then it ends with finish_reason 'length'.",
+    ),
 ):
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
@@ -518,6 +534,14 @@ def server(
         _fail(f"--port must be in 0..65535, got {port}")
     if cache_slots < 1:
         _fail(f"--cache-slots must be >= 1, got {cache_slots}")
+    if request_timeout is not None and not request_timeout > 0:
+        _fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")
+    from mlx_stream.server import ServerLimits
+
+    try:
+        limits = ServerLimits(_api_keys(api_key), max_queue, int(max_body_mb * (1 << 20)))
+    except ValueError as e:
+        _fail(f"{e} (--api-key, --max-queue, --max-body-mb)")
     try:
         check_generation(max_tokens, temp, tree=tree, prompt_lookup=prompt_lookup)
         _check_draft_options(draft_model, num_draft_tokens, tree)
@@ -542,9 +566,30 @@ def server(
             prompt_lookup=prompt_lookup,
             draft_model=draft_model,
             num_draft_tokens=num_draft_tokens,
+            limits=limits,
+            request_timeout=request_timeout,
         )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+
+
+def _api_keys(given: list[str]) -> tuple[str, ...]:
+    # --api-key KEY / @FILE (one key a line, '#' comments), else $MLX_STREAM_API_KEY
+    import os
+
+    keys = []
+    for item in given or [k for k in os.environ.get("MLX_STREAM_API_KEY", "").split(",") if k.strip()]:
+        if item.startswith("@"):
+            try:
+                lines = Path(item[1:]).read_text().splitlines()
+            except OSError as e:
+                _fail(f"--api-key {item}: cannot read the key file ({e})")
+            keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+        else:
+            keys.append(item.strip())
+    if given and not keys:
+        _fail("--api-key: no key given (an empty key file?)")
+    return tuple(keys)
 
 
 @app.command()
@@ -643,6 +688,9 @@ def bench(
     ),
     draft_model: str | None = _DRAFT_MODEL,
     num_draft_tokens: int | None = _NUM_DRAFT,
+    adaptive: bool = typer.Option(
+        True, "--adaptive/--no-adaptive", help="Adaptive speculation (off: draft at every step)."
+    ),
 ):
     """Side-by-side against plain mlx-lm (same weights, one process, interleaved);
     greedy by default (identity checked), or sampled with the same settings. Under
@@ -704,7 +752,7 @@ def bench(
                 m,
                 tok,
                 texts,
-                Decoding(max_tokens, tree, prompt_lookup, sampling, num_draft_tokens),
+                Decoding(max_tokens, tree, prompt_lookup, sampling, num_draft_tokens, adaptive),
                 groups,
                 oracle=oracle,
                 seed=seed,
@@ -722,6 +770,7 @@ def bench(
         "drafter": "draft model" if draft_model else drafter,
         "draft_model": draft_model,
         "num_draft_tokens": num_draft_tokens,
+        "adaptive": adaptive,
         "prompt_lookup": prompt_lookup,
         "dtype": dtype,
         "max_tokens": max_tokens,

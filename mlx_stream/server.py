@@ -29,6 +29,7 @@ kept; ``forward_passes``). Bad requests answer 400 with OpenAI's error body
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import math
 import queue
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .defaults import DEFAULT_HEADS, DEFAULT_MODEL
@@ -54,6 +55,50 @@ UNSUPPORTED = {  # request fields answered with a 400 rather than silently ignor
     "suffix": "no insertion",
 }
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions allow 5
+MAX_CHARS_PER_TOKEN = 64  # a prompt longer than this x the context window cannot fit: refused untokenised
+OPEN_ROUTES = ("/health",)  # answered without an API key (load balancers, probes)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What the server accepts from the network (llama-server's and vLLM's options).
+
+    Attributes:
+        api_keys: the keys a request may present as ``Authorization: Bearer KEY``;
+            empty: no authentication (fine on 127.0.0.1, not on a network).
+        max_queue: requests that may wait while one decodes; beyond it a request gets
+            503 with ``Retry-After`` at once, its body unread.
+        max_body_bytes: the largest request body; beyond it 413, checked from
+            ``Content-Length`` and while reading, before parsing.
+
+    Raises:
+        ValueError: a negative ``max_queue``, a ``max_body_bytes`` below 1 KiB, or an
+            empty API key.
+    """
+
+    api_keys: tuple[str, ...] = ()
+    max_queue: int = 32
+    max_body_bytes: int = 8 << 20
+
+    def __post_init__(self):
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
+        if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):
+            raise ValueError("API keys must be non-empty strings")
+
+    def authorized(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header carries one of the keys (compared in
+        constant time, every key tried, so timing tells nothing about any key)."""
+        if not self.api_keys:
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        ok = False
+        for key in self.api_keys:
+            ok |= hmac.compare_digest(given, key.encode())
+        return ok
 
 
 class APIError(Exception):
@@ -71,13 +116,15 @@ class APIError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict | None = None,
     ):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
 
 
 @dataclass
@@ -340,6 +387,8 @@ class Engine:
             join this machine's store of the model's answers, which drafts draw on;
             ``draft_model``: a separate draft model drafts every request).
         cache_slots: prompt caches kept (conversations whose history is reused).
+        request_timeout: seconds a request may decode; then it ends as if ``max_tokens``
+            were reached (``finish_reason`` ``"length"``); None: no limit.
         generation: fixed keyword arguments of :func:`mlx_stream.stream_generate`
             for every request (``tree``, ``prompt_lookup``, ``num_draft_tokens``).
 
@@ -355,15 +404,19 @@ class Engine:
         cache_slots: int = 4,
         learn: bool = False,
         draft_model: str | None = None,
+        request_timeout: float | None = None,
         **generation,
     ):
         if cache_slots < 1:
             raise ValueError(f"cache_slots must be >= 1, got {cache_slots}")
-        self.generation, self.cache_slots = generation, cache_slots
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
+        self.generation, self.cache_slots, self.request_timeout = generation, cache_slots, request_timeout
+        self._pending, self._lock = 0, threading.Lock()  # jobs submitted and not finished
         self.jobs: queue.Queue = queue.Queue()
         self.model = self.tokenizer = None
         # served / cancelled requests and tokens generated, for /health
-        self.stats = {"served": 0, "cancelled": 0, "completion_tokens": 0}
+        self.stats = {"served": 0, "cancelled": 0, "timed_out": 0, "completion_tokens": 0}
         self.busy = False
         ready, failure = threading.Event(), []
         self.thread = threading.Thread(
@@ -378,7 +431,18 @@ class Engine:
             raise failure[0]
 
     def submit(self, job: Job) -> None:
+        with self._lock:
+            self._pending += 1
         self.jobs.put(job)
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not finished: the one decoding plus those queued."""
+        return self._pending
+
+    def _done(self) -> None:
+        with self._lock:
+            self._pending -= 1
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -397,14 +461,19 @@ class Engine:
             ready.set()
             return
         self.caches = [PromptCache(self.model) for _ in range(self.cache_slots)]  # most recent first
+        self.token_bytes = token_bytes(self.tokenizer)
         ready.set()
         while (job := self.jobs.get()) is not None:
             if job.cancelled.is_set():
                 self.stats["cancelled"] += 1
+                self._done()
                 continue
             self.busy = True
-            self._serve(job)
-            self.busy = False
+            try:
+                self._serve(job)
+            finally:
+                self.busy = False
+                self._done()
 
     def _prompt(self, req: GenRequest):
         if req.kind == "completion":
@@ -449,11 +518,17 @@ class Engine:
                 prompt_cache=cache,
                 **(self.generation | req.settings),
             )
-            r = None
+            r, deadline = (
+                None,
+                None if self.request_timeout is None else time.monotonic() + self.request_timeout,
+            )
             for r in gen:
                 job.put("step", r)
                 if job.cancelled.is_set():
                     break
+                if deadline is not None and r.finish_reason is None and time.monotonic() > deadline:
+                    self.stats["timed_out"] += 1
+                    break  # answered as a length stop (the formatter ends the choice)
             job.put("end", None)
             self.stats["cancelled" if job.cancelled.is_set() and r.finish_reason is None else "served"] += 1
             self.stats["completion_tokens"] += r.generation_tokens
@@ -474,14 +549,45 @@ def _token_text(tokenizer, t: int) -> str:
     return tokenizer.decode([t])
 
 
-def _chat_logprobs(tokenizer, r) -> list[dict]:
+def token_bytes(tokenizer) -> list[bytes]:
+    """Each token id's own bytes, as OpenAI's logprob ``bytes`` field carries them: joining
+    the bytes of a text's tokens rebuilds its UTF-8 exactly, also where one character
+    spans several tokens (an emoji, CJK text), which decoding each token alone cannot.
+
+    Byte-level BPE tokens (GPT-2's byte-to-character map, mlx-lm's ``BPEStreamingDetokenizer``)
+    map back to their raw bytes; SentencePiece tokens have ``\u2581`` as a space and
+    ``<0xNN>`` byte tokens are that byte (mlx-lm's ``SPMStreamingDetokenizer`` table);
+    other tokenizers fall back to each token's decoded text.
+
+    Returns:
+        ``bytes`` per token id, ``len(tokenizer)`` of them.
+    """
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+    det = getattr(tokenizer, "_detokenizer", None)
+    if isinstance(det, SPMStreamingDetokenizer):
+        return [b.replace("\u2581".encode(), b" ") for b in det.tokenmap]
+    if isinstance(det, BPEStreamingDetokenizer):
+        from mlx_lm.tokenizer_utils import _byte_decoder
+
+        table = _byte_decoder()
+        return [
+            b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece or "")
+            for piece in det.tokenmap
+        ]
+    return [tokenizer.decode([t]).encode() for t in range(len(tokenizer))]
+
+
+def _chat_logprobs(tokenizer, r, table: list[bytes]) -> list[dict]:
+    def raw(t):
+        return list(table[t]) if t < len(table) else list(_token_text(tokenizer, t).encode())
+
     out = []
     for i, (t, lp) in enumerate(zip(r.tokens, r.logprobs)):
-        s = _token_text(tokenizer, t)
-        entry = {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+        entry = {"token": _token_text(tokenizer, t), "logprob": lp, "bytes": raw(t), "top_logprobs": []}
         if r.top_logprobs is not None:
             entry["top_logprobs"] = [
-                {"token": (a := _token_text(tokenizer, j)), "logprob": v, "bytes": list(a.encode())}
+                {"token": _token_text(tokenizer, j), "logprob": v, "bytes": raw(j)}
                 for j, v in r.top_logprobs[i]
             ]
         out.append(entry)
@@ -526,8 +632,8 @@ class _Tally:
 class _Completions:
     """Turns one job's events into OpenAI responses (whole or streamed)."""
 
-    def __init__(self, req: GenRequest, tokenizer):
-        self.req, self.tokenizer = req, tokenizer
+    def __init__(self, req: GenRequest, tokenizer, table: list[bytes]):
+        self.req, self.tokenizer, self.table = req, tokenizer, table
         chat = req.kind == "chat"
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -537,17 +643,16 @@ class _Completions:
         if not self.req.logprobs:
             return None
         if self.req.kind == "chat":
-            return {"content": [e for r in rs for e in _chat_logprobs(self.tokenizer, r)]}
+            return {"content": [e for r in rs for e in _chat_logprobs(self.tokenizer, r, self.table)]}
         tokens, lps, tops, offsets, pos = [], [], [], [], 0
         for r in rs:
             for i, (t, lp) in enumerate(zip(r.tokens, r.logprobs)):
-                s = _token_text(self.tokenizer, t)
-                tokens.append(s)
+                tokens.append(self._legacy_token(t))
                 lps.append(lp)
                 offsets.append(pos)
-                pos += len(s)
+                pos += len(_token_text(self.tokenizer, t))
                 if r.top_logprobs is not None:
-                    tops.append({_token_text(self.tokenizer, j): v for j, v in r.top_logprobs[i]})
+                    tops.append({self._legacy_token(j): v for j, v in r.top_logprobs[i]})
         return {
             "tokens": tokens,
             "token_logprobs": lps,
@@ -555,11 +660,20 @@ class _Completions:
             "text_offset": offsets,
         }
 
+    def _legacy_token(self, t: int) -> str:
+        # the completions API's token strings: the token's text, or where its bytes are only
+        # part of a character, "bytes:\\xNN..." (OpenAI's form) so that they still join exactly
+        raw = self.table[t] if t < len(self.table) else _token_text(self.tokenizer, t).encode()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model}
 
     def whole(self, tally: _Tally, rs: list) -> dict:
-        text, reason = "".join(tally.text), tally.last.finish_reason
+        text, reason = "".join(tally.text), tally.last.finish_reason or "length"
         if self.req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
@@ -586,6 +700,15 @@ class _Completions:
             out["usage"] = None
         return out
 
+    def final_chunk(self) -> dict:
+        # a choice the server ended (the request's timeout): no text, finish_reason "length"
+        if self.req.kind == "chat":
+            choice, obj = {"index": 0, "delta": {}}, "chat.completion.chunk"
+        else:
+            choice, obj = {"index": 0, "text": ""}, "text_completion"
+        out = self._head(obj) | {"choices": [choice | {"logprobs": None, "finish_reason": "length"}]}
+        return out | ({"usage": None} if self.req.include_usage else {})
+
     def usage_chunk(self, tally: _Tally) -> dict:
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
         return self._head(obj) | {"choices": [], "usage": tally.usage(), "speculation": tally.speculation()}
@@ -611,7 +734,7 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(job: Job, first, fmt: _Completions, request: Request) -> AsyncIterator[str]:
+async def _stream(job: Job, first, fmt: _Completions, request: Request, on_end=None) -> AsyncIterator[str]:
     tally = _Tally()
     event, is_first = first, True
     try:
@@ -627,9 +750,13 @@ async def _stream(job: Job, first, fmt: _Completions, request: Request) -> Async
                 yield _sse({"error": body})
                 break
             if kind == "end":
+                if tally.last is not None and tally.last.finish_reason is None:  # stopped by the timeout
+                    yield _sse(fmt.final_chunk())
                 if fmt.req.include_usage and tally.last is not None:
                     yield _sse(fmt.usage_chunk(tally))
                 yield "data: [DONE]\n\n"
+                if on_end is not None:
+                    on_end(tally)
                 break
             tally.add(value)
             chunk = fmt.chunk(value, is_first)
@@ -642,25 +769,170 @@ async def _stream(job: Job, first, fmt: _Completions, request: Request) -> Async
         job.cancel()
 
 
-def create_app(engine: Engine, model_id: str, max_tokens: int = 512, temp: float = 0.0) -> Starlette:
+class _Metrics:
+    """The server's Prometheus metrics (``GET /metrics``), in a registry of its own."""
+
+    def __init__(self, engine: Engine):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "mlx_stream_requests",
+            "HTTP requests answered, by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.tokens = Counter("mlx_stream_completion_tokens", "Tokens generated", registry=r)
+        seconds = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+        self.ttft = Histogram(
+            "mlx_stream_time_to_first_token_seconds",
+            "From the request's arrival to its first token",
+            buckets=seconds,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "mlx_stream_request_seconds", "From arrival to the last token", buckets=seconds, registry=r
+        )
+        self.tau = Histogram(
+            "mlx_stream_tau",
+            "Tokens per target forward pass, per request",
+            buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0),
+            registry=r,
+        )
+        Gauge("mlx_stream_queue_depth", "Requests waiting", registry=r).set_function(
+            lambda: max(engine.pending - int(engine.busy), 0)
+        )
+        Gauge("mlx_stream_running", "Requests decoding", registry=r).set_function(lambda: int(engine.busy))
+        self.recent: list[float] = []  # the latest requests' seconds (Retry-After's estimate)
+
+    def finished(self, tally: _Tally, started: float) -> None:
+        if tally.last is None:
+            return
+        took = time.monotonic() - started
+        self.tokens.inc(tally.last.generation_tokens)
+        self.latency.observe(took)
+        self.tau.observe(tally.last.tau)
+        self.recent = (self.recent + [took])[-16:]
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: about one request's time here."""
+        return max(1, min(300, math.ceil(sorted(self.recent)[len(self.recent) // 2]))) if self.recent else 1
+
+
+def _header(scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers", []):
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+class _Guard:
+    # ASGI middleware in front of every route: the API key (401 before anything is read)
+    # and the count of answers by route and status
+    routes = ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/v1/models")
+
+    def __init__(self, app, limits: ServerLimits, metrics: _Metrics):
+        self.app, self.limits, self.metrics = app, limits, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, status = scope["path"], {}
+        route = path if path in self.routes + OPEN_ROUTES + ("/metrics",) else "other"
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if path not in OPEN_ROUTES and not self.limits.authorized(_header(scope, b"authorization")):
+                err = APIError(
+                    "Incorrect or missing API key: send the header 'Authorization: Bearer KEY' with a key "
+                    "the server was started with (--api-key)",
+                    status=401,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                return await err.response()(scope, receive, send_status)
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(route, str(status.get("code", 499))).inc()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    # the body, refused (413) past ``limit`` bytes: from Content-Length before reading, and
+    # while reading (a chunked body, or a header that lies)
+    too_big = APIError(
+        f"the request body is larger than this server accepts ({limit / (1 << 20):.1f} MB; --max-body-mb)",
+        status=413,
+        code="request_too_large",
+    )
+    length = request.headers.get("content-length")
+    if length is not None and length.strip().isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _prompt_chars(req: GenRequest) -> int:
+    if req.kind == "completion":
+        return len(req.prompt) if isinstance(req.prompt, str) else 0
+    return sum(len(m.get("content") or "") for m in req.messages or [] if isinstance(m.get("content"), str))
+
+
+def create_app(
+    engine: Engine,
+    model_id: str,
+    max_tokens: int = 512,
+    temp: float = 0.0,
+    limits: ServerLimits | None = None,
+):
     """The ASGI application over ``engine``.
 
     Args:
         engine: the :class:`Engine` holding the model.
         model_id: the name ``/v1/models`` lists and requests may give.
         max_tokens, temp: defaults for requests that give none.
+        limits: API keys, the queue bound and the body cap (:class:`ServerLimits`);
+            None: the defaults, no API key.
     """
+    limits = limits or ServerLimits()
+    metrics = _Metrics(engine)
     defaults = {"max_tokens": max_tokens, "temp": temp, "vocab_size": engine.model.args.vocab_size}
+    ctx = engine.model.context_length
 
     async def body_of(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
+        raw = await _read_body(request, limits.max_body_bytes)
+        try:  # a large body is parsed off the event loop, which keeps serving the others
+            return json.loads(raw) if len(raw) < 1 << 16 else await asyncio.to_thread(json.loads, raw)
         except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, too deep or too long
             raise APIError(f"the request body is not valid JSON: {str(e)[:200]}") from e
 
     async def complete(request: Request, kind: str):
+        started = time.monotonic()
+        if engine.pending > limits.max_queue:  # one decoding and max_queue waiting: busy
+            raise APIError(
+                f"the server is overloaded: {engine.pending} requests in progress or queued "
+                f"(--max-queue {limits.max_queue}); retry later",
+                status=503,
+                type="server_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(metrics.retry_after())},
+            )
         req = parse_request(await body_of(request), kind, model_id, defaults)
+        if ctx is not None and _prompt_chars(req) > ctx * MAX_CHARS_PER_TOKEN:
+            raise APIError(
+                f"the prompt has {_prompt_chars(req)} characters, more than the model's context window of "
+                f"{ctx} tokens can hold: shorten it",
+                param="messages" if kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
         job = Job(req, asyncio.get_running_loop())
         engine.submit(job)
         first = await _next_event(job, request)
@@ -668,10 +940,11 @@ def create_app(engine: Engine, model_id: str, max_tokens: int = 512, temp: float
             return JSONResponse({}, status_code=499)  # the client is gone
         if first[0] == "error":
             raise first[1]
-        fmt = _Completions(req, engine.tokenizer)
+        metrics.ttft.observe(time.monotonic() - started)
+        fmt = _Completions(req, engine.tokenizer, engine.token_bytes)
         if req.stream:
             return StreamingResponse(
-                _stream(job, first, fmt, request),
+                _stream(job, first, fmt, request, lambda tally: metrics.finished(tally, started)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -684,6 +957,7 @@ def create_app(engine: Engine, model_id: str, max_tokens: int = 512, temp: float
             return JSONResponse({}, status_code=499)
         if event[0] == "error":
             raise event[1]
+        metrics.finished(tally, started)
         return JSONResponse(fmt.whole(tally, rs))
 
     async def chat_completions(request: Request):
@@ -701,15 +975,23 @@ def create_app(engine: Engine, model_id: str, max_tokens: int = 512, temp: float
         )
 
     async def health(request: Request):
+        running = int(engine.busy)
         return JSONResponse(
             {
                 "status": "ok",
                 "model": model_id,
                 "busy": engine.busy,
-                "queued": engine.jobs.qsize(),
+                "running": running,
+                "queued": max(engine.pending - running, 0),
+                "max_queue": limits.max_queue,
                 "requests": dict(engine.stats),
             }
         )
+
+    async def metrics_route(request: Request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def api_error(request: Request, exc: APIError):
         return exc.response()
@@ -726,7 +1008,7 @@ def create_app(engine: Engine, model_id: str, max_tokens: int = 512, temp: float
             msg.get(exc.status_code, str(exc.detail)), status=exc.status_code, type=kind
         ).response()
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/chat/completions", chat_completions, methods=["POST"]),
@@ -734,9 +1016,11 @@ def create_app(engine: Engine, model_id: str, max_tokens: int = 512, temp: float
             Route("/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics_route, methods=["GET"]),
         ],
         exception_handlers={APIError: api_error, HTTPException: http_error},
     )
+    return _Guard(app, limits, metrics)
 
 
 def serve(
@@ -750,25 +1034,47 @@ def serve(
     log_level: str = "info",
     cache_slots: int = 4,
     learn: bool = False,
+    limits: ServerLimits | None = None,
+    request_timeout: float | None = None,
     **generation,
 ) -> None:
     """Load ``model`` (with ``heads``) and serve it over HTTP until interrupted.
 
     Args:
         model, heads, dtype, learn: as :func:`mlx_stream.load`.
-        host, port: where to listen (127.0.0.1 by default: this machine only).
+        host, port: where to listen (127.0.0.1 by default: this machine only); another
+            address without an API key prints a warning.
         max_tokens, temp: defaults for requests that give none.
         cache_slots: prompt caches kept (:class:`Engine`).
+        limits: API keys, the queue bound, the body cap (:class:`ServerLimits`).
+        request_timeout: seconds a request may decode (:class:`Engine`).
         **generation: ``tree``, ``prompt_lookup``, ``num_draft_tokens`` for
             :func:`mlx_stream.stream_generate`; ``draft_model``: for :func:`mlx_stream.load`.
 
     Raises:
         ValueError, FileNotFoundError: the model or heads cannot be loaded.
     """
+    import sys
+
     import uvicorn
 
-    engine = Engine(model, heads=heads, dtype=dtype, cache_slots=cache_slots, learn=learn, **generation)
-    app = create_app(engine, model, max_tokens=max_tokens, temp=temp)
+    limits = limits or ServerLimits()
+    if not limits.api_keys and host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"warning: serving on {host} without an API key: anyone who can reach this port can use the "
+            "model; pass --api-key KEY (or set MLX_STREAM_API_KEY)",
+            file=sys.stderr,
+        )
+    engine = Engine(
+        model,
+        heads=heads,
+        dtype=dtype,
+        cache_slots=cache_slots,
+        learn=learn,
+        request_timeout=request_timeout,
+        **generation,
+    )
+    app = create_app(engine, model, max_tokens=max_tokens, temp=temp, limits=limits)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:

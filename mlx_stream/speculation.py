@@ -305,17 +305,18 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
         k = num_draft_tokens
         return DraftPlan("draft", budget=k + 1, width=1, depth=k, draft=draft, **common)
     budget, width, depth, p_min = DRAFT_TREE
-    if draft.depth is not None:  # measured on this device (mlx_stream.calibrate)
-        if draft.depth == 0 and dynamic_spec(tree) is None:
-            return DraftPlan("none", **common)  # drafting does not pay here: plain decoding
-        budget, depth = max(draft.budget, 2), max(draft.depth, 1)
-        width = 2 if budget > depth + 1 else 1
     dyn = dynamic_spec(tree)
     if dyn is not None and dyn[0] == 0:
         raise ValueError(f"{tree!r}: a draft model's tree takes a node budget: dynamic:N[,W]")
-    if dyn is not None:
+    if dyn is not None:  # the size asked for; as deep as measured to pay, else the default depth
         budget, width = dyn
-    elif tree is not None:
+        depth = draft.depth or depth
+    elif draft.depth is not None:  # measured on this device (mlx_stream.calibrate)
+        if draft.depth == 0:
+            return DraftPlan("none", **common)  # drafting does not pay here: plain decoding
+        budget, depth = draft.budget, draft.depth
+        width = 2 if budget > depth + 1 else 1
+    if tree is not None and dyn is None:
         raise ValueError(
             f"a draft model drafts its own tree: tree must be None, 'dynamic:N[,W]' (N nodes, W children "
             f"per expanded node) or num_draft_tokens=K (a chain), got {tree!r}"

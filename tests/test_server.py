@@ -374,3 +374,116 @@ def test_real_model_streamed_greedy_text_equals_generate(real):
             assert got == want
     finally:
         s.close()
+
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A server on the network's terms: an API key, one request queued at most, a 16 KiB
+    body cap, a 1 s decoding timeout; a long context so requests last."""
+    from conftest import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path_factory.mktemp("guarded") / "model", context=8192)
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("# the team's keys\nsk-other\n")
+    s = Server(
+        str(model),
+        "--heads",
+        "none",
+        "--api-key",
+        KEY,
+        "--api-key",
+        f"@{keys}",
+        "--max-queue",
+        "1",
+        "--max-body-mb",
+        str(16 / 1024),
+        "--request-timeout",
+        "1",
+    )
+    yield s
+    s.close()
+
+
+def _post(server, path, body, key=KEY, **kw):
+    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {key}"} if key else {})
+    return httpx.post(
+        server.url + path, content=body, headers=headers | kw.pop("headers", {}), timeout=60, **kw
+    )
+
+
+def test_api_keys_body_limit_metrics_and_timeout(guarded):
+    body = json.dumps({"prompt": "The quick brown fox", "max_tokens": 4}).encode()
+    for key in (None, "wrong", KEY[:-1]):
+        r = _post(guarded, "/v1/completions", body, key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    assert httpx.get(guarded.url + "/v1/models", timeout=5).status_code == 401
+    assert guarded.health()["status"] == "ok"  # /health needs no key
+    assert _post(guarded, "/v1/completions", body).status_code == 200
+    assert _post(guarded, "/v1/completions", body, key="sk-other").status_code == 200  # from the key file
+    ok = OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert ok.completions.create(model=guarded.model, prompt="x", max_tokens=3).choices[0].text is not None
+    # bodies past 16 KiB: refused from the header, and from the bytes when no length is given
+    big = json.dumps({"prompt": "x" * 20_000, "max_tokens": 4}).encode()
+    r = _post(guarded, "/v1/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = _post(guarded, "/v1/completions", iter([big[:8000], big[8000:]]))  # chunked: no Content-Length
+    assert r.status_code == 413
+    # the timeout ends a long generation as a length stop, streamed or not
+    long = {"prompt": "The quick brown fox", "max_tokens": 4000}
+    tic = time.monotonic()
+    r = ok.completions.create(model=guarded.model, **long)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens < 4000
+    assert time.monotonic() - tic < 30
+    chunks = list(ok.completions.create(model=guarded.model, stream=True, **long))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    metrics = httpx.get(guarded.url + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=5).text
+    assert 'mlx_stream_requests_total{route="/v1/completions",status="401"} 3.0' in metrics
+    assert 'status="413"} 2.0' in metrics and "mlx_stream_time_to_first_token_seconds_count" in metrics
+    assert "mlx_stream_queue_depth 0.0" in metrics and "mlx_stream_tau_count" in metrics
+
+
+def test_a_full_queue_answers_503_at_once(guarded):
+    long = json.dumps({"prompt": "The quick brown fox", "max_tokens": 4000, "stream": True}).encode()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        # one decoding (1 s: the timeout), one queued behind it: the queue (1) is full
+        running = pool.submit(_post, guarded, "/v1/completions", long)
+        deadline = time.monotonic() + 20
+        while guarded.health()["running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        queued = pool.submit(_post, guarded, "/v1/completions", long)
+        while guarded.health()["queued"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tic = time.monotonic()
+        r = _post(guarded, "/v1/completions", long)
+        assert r.status_code == 503, r.text
+        assert time.monotonic() - tic < 1.0  # at once, not after the queue
+        assert r.json()["error"]["code"] == "server_overloaded" and int(r.headers["retry-after"]) >= 1
+        assert running.result().status_code == 200 and queued.result().status_code == 200
+
+
+def test_logprob_bytes_rebuild_multibyte_text():
+    """Each token's own bytes (not the UTF-8 of its decoded text): joined they give back
+    emoji and CJK text exactly, for the byte-level BPE of the default model and the tiny one."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    from mlx_stream.loader import load
+    from mlx_stream.server import _Completions, token_bytes
+
+    _, tok = load("smollm2-135m-instruct", heads="none")
+    assert isinstance(tok._detokenizer, BPEStreamingDetokenizer)
+    table = token_bytes(tok)
+    assert len(table) == len(tok._detokenizer.tokenmap)
+    for text in ("🎉🎂🚀 party", "日本語のテキスト", "naïve café — ok", "<|im_start|>user"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(table[t] for t in ids) == text.encode(), text
+        assert any(tok.decode([t]) == "\ufffd" for t in tok.encode("🎉", add_special_tokens=False))
+    fmt = _Completions(
+        parse_request({"prompt": "x", "logprobs": 1}, "completion", "m", {"max_tokens": 8, "temp": 0.0}),
+        tok,
+        table,
+    )
+    pieces = [fmt._legacy_token(t) for t in tok.encode("🎉!", add_special_tokens=False)]
+    assert pieces[0].startswith("bytes:\\x") and pieces[-1] == "!"

@@ -41,7 +41,14 @@ $(VENV)/.installed: pyproject.toml
 
 # test dependencies: pytest, and torch (CPU) + transformers + gguf as the independent GGUF reference
 $(VENV)/.installed-test: $(VENV)/.installed
-	@echo "setup: test dependencies (pytest, ruff, torch CPU, transformers, gguf, scipy)"
+	@# the chat page's browser test: Debian's chromium and its driver, where apt can install them
+	@if [ "$$(uname -s)" = Linux ] && ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  echo "setup: chromium + chromedriver (apt) for the chat page's browser test"; \
+	  $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } || \
+	  echo "note: could not install chromium; the chat page's browser test will be skipped"; fi
+	@echo "setup: test dependencies (pytest, ruff, torch CPU, transformers, gguf, scipy, selenium)"
 	@$(EDITABLE_QUIET) $(PY) -m pip install -q -e '.[test]'
 	@touch $@
 

@@ -1035,7 +1035,7 @@ def calibrate(
         best = " <- chosen" if len(rows) > 1 and i == info.get("best") else ""
         typer.echo(
             f"{what}: agreement {r['alpha']:.3f}, forward {r['r']:.2f}x the model's, "
-            f"best chain {r['depth']} (expected x{r['speedup']:.2f}){best}"
+            f"best chain {r['depth'] or 'none'} (expected x{r['speedup']:.2f} of plain){best}"
         )
     if all(r["depth"] == 0 for r in rows):
         typer.echo(

@@ -433,18 +433,7 @@ def stream_generate(
     adaptive = drafter is None if adaptive is None else adaptive
     cache = prompt_cache if prompt_cache is not None else PromptCache(model, max_kv_size)
     if drafter is None:
-        if draft_model is None:
-            draft_model = getattr(model, "draft_model", None)
-        draft_cache = cache.draft_cache(draft_model) if draft_model else None
-        drafter = make_drafter(
-            model,
-            tree,
-            prompt_lookup,
-            sampled=not sampling.greedy,
-            draft_model=draft_model or None,
-            num_draft_tokens=num_draft_tokens,
-            draft_cache=draft_cache,
-        )
+        drafter = _model_drafter(model, cache, tree, prompt_lookup, sampling, draft_model, num_draft_tokens)
     _check_drafter(drafter, kv)
     entropy = np.random.SeedSequence(seed).entropy
     verify = TreeVerifier(
@@ -543,6 +532,24 @@ def _prompt_ids(model, tokenizer, prompt, prompt_cache: PromptCache | None, kv: 
             f"{kv.max_kv_size}: make the PromptCache with the same max_kv_size"
         )
     return ids, unknown
+
+
+def _model_drafter(model, cache, tree, prompt_lookup, sampling, draft_model, num_draft_tokens):
+    # the model's own drafter: its draft model (given, else the loaded one; False: none),
+    # whose KV cache lives in the prompt cache, else its heads; prompt lookup beside
+    from .draft_model import DraftModel
+
+    if draft_model is None:
+        draft_model = getattr(model, "draft_model", None)
+    return make_drafter(
+        model,
+        tree,
+        prompt_lookup,
+        sampled=not sampling.greedy,
+        draft_model=draft_model or None,
+        num_draft_tokens=num_draft_tokens,
+        draft_cache=cache.draft_cache(draft_model) if isinstance(draft_model, DraftModel) else None,
+    )
 
 
 def _check_drafter(drafter, kv: KVSettings) -> None:

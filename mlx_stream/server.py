@@ -2,7 +2,9 @@
 
 Routes (OpenAI's API; editors, chat front ends and the ``openai`` client plug in
 unchanged): ``POST /v1/chat/completions`` (messages through the chat template),
-``POST /v1/completions`` (a raw prompt), ``GET /v1/models``, ``GET /health``.
+``POST /v1/completions`` (a raw prompt), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus), and ``GET /``: a chat page (one static file, no CDN)
+that streams through the API and shades the text of accepted drafts.
 Non-streaming and streaming (server-sent events ending with ``data: [DONE]``).
 
 One model in memory; one worker thread owns it and decodes the queued requests one at
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .defaults import DEFAULT_HEADS, DEFAULT_MODEL
@@ -56,7 +58,7 @@ UNSUPPORTED = {  # request fields answered with a 400 rather than silently ignor
 }
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions allow 5
 MAX_CHARS_PER_TOKEN = 64  # a prompt longer than this x the context window cannot fit: refused untokenised
-OPEN_ROUTES = ("/health",)  # answered without an API key (load balancers, probes)
+OPEN_ROUTES = ("/health", "/")  # answered without an API key: probes, and the chat page (it asks for one)
 
 
 @dataclass(frozen=True)
@@ -695,7 +697,12 @@ class _Completions:
         else:
             choice, obj = {"index": 0, "text": r.text}, "text_completion"
         choice |= {"logprobs": self._logprobs([r]), "finish_reason": r.finish_reason}
-        out = self._head(obj) | {"choices": [choice]}
+        # an extra field (OpenAI clients ignore it): this step's tokens, and how many of them
+        # were drafts the target accepted (the chat page marks that text)
+        out = self._head(obj) | {
+            "choices": [choice],
+            "mlx_stream": {"tokens": len(r.tokens), "drafted": r.accepted},
+        }
         if self.req.include_usage:
             out["usage"] = None
         return out
@@ -988,6 +995,11 @@ def create_app(
             }
         )
 
+    async def chat_page(request: Request):
+        from importlib.resources import files
+
+        return HTMLResponse(files("mlx_stream").joinpath("data/chat.html").read_text(encoding="utf-8"))
+
     async def metrics_route(request: Request):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -1017,6 +1029,7 @@ def create_app(
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),
+            Route("/", chat_page, methods=["GET"]),
         ],
         exception_handlers={APIError: api_error, HTTPException: http_error},
     )

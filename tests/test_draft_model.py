@@ -215,7 +215,8 @@ def test_expected_speedup_and_the_chosen_depth():
     assert expected_speedup(0.5, 0.1, 2, flat) == pytest.approx(1.75 / 1.2)
     assert best_depth(0.9, 0.05, flat)[0] >= 4  # a good cheap draft drafts deep
     steep = StepCosts({1: 1.0, 2: 1.3, 32: 10.0}, t1_ms=10.0)  # a CPU-like c(N)
-    assert best_depth(0.2, 0.5, steep) == (0, 1.0)  # a weak, dear draft does not pay: plain
+    k, s = best_depth(0.2, 0.5, steep)
+    assert k == 0 and s < 1.0  # a weak, dear draft does not pay: plain
     assert tree_budget(3, flat) == 7 and tree_budget(3, steep) == 4  # siblings only where nodes are cheap
 
 

@@ -487,3 +487,66 @@ def test_logprob_bytes_rebuild_multibyte_text():
     )
     pieces = [fmt._legacy_token(t) for t in tok.encode("🎉!", add_special_tokens=False)]
     assert pieces[0].startswith("bytes:\\x") and pieces[-1] == "!"
+
+
+def _browser():
+    import shutil
+
+    chrome = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    driver = shutil.which("chromedriver")
+    if not (chrome and driver):
+        pytest.skip("no chromium + chromedriver here (make setup installs Debian's on Linux with apt)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chrome
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1000,700"):
+        opts.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver), options=opts)
+
+
+def test_the_chat_page_streams_an_answer_and_marks_the_drafts(tiny_dir, tmp_path):
+    """The page at / in a real headless browser: it asks for the key, streams an answer
+    through the API, shows tokens/s and tau, and shades the text of accepted drafts (the
+    tiny model drafting for itself: every draft is accepted). The screenshot is kept in
+    runs/screenshots/chat_page.png."""
+    import os
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = _browser()
+    os.environ["MLX_STREAM_CACHE"], before = str(tmp_path / "cache"), os.environ.get("MLX_STREAM_CACHE")
+    try:
+        s = Server(str(tiny_dir), "--draft-model", str(tiny_dir), "--num-draft-tokens", "3", "--api-key", KEY)
+    finally:
+        os.environ.pop("MLX_STREAM_CACHE") if before is None else os.environ.update(MLX_STREAM_CACHE=before)
+    try:
+        browser.get(s.url + "/")
+        assert "mlx-stream" in browser.title
+        key = browser.find_element(By.ID, "key")
+        key.send_keys(KEY)
+        browser.execute_script("document.getElementById('key').dispatchEvent(new Event('change'))")
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == s.model)
+        browser.find_element(By.ID, "input").send_keys("The quick brown fox")
+        browser.find_element(By.ID, "send").click()
+        done = WebDriverWait(browser, 120).until(
+            lambda b: b.find_elements(By.CSS_SELECTOR, ".turn.assistant[data-done='1']")
+        )
+        answer = done[0]
+        assert answer.text.strip()  # the streamed answer
+        assert not answer.find_elements(By.CLASS_NAME, "error"), answer.text
+        assert answer.find_elements(By.CSS_SELECTOR, "span.drafted")  # accepted drafts are shaded
+        stats = browser.find_element(By.ID, "stats").text
+        assert "tau" in stats and "tau -" not in stats and "tokens/s -" not in stats, stats
+        shots = Path(__file__).resolve().parent.parent / "runs" / "screenshots"
+        shots.mkdir(parents=True, exist_ok=True)
+        assert browser.save_screenshot(str(shots / "chat_page.png"))
+        # without the key the page says what is wrong instead of answering
+        browser.execute_script("localStorage.clear()")
+        browser.get(s.url + "/")
+        WebDriverWait(browser, 20).until(lambda b: "API key" in b.find_element(By.ID, "model").text)
+    finally:
+        browser.quit()
+        s.close()

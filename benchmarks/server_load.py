@@ -139,13 +139,21 @@ def main():
             "accepted_equal_to_solo": sum(r["text"] == solo[p] for p, r in rows if r["status"] == 200),
             "dropped_mid_stream": sum(r["status"] == "dropped" for _, r in rows),
             "refused_503": sum(r["status"] == 503 for _, r in rows),
-            "refused_with_retry_after": sum(r["status"] == 503 and bool(r.get("retry_after")) for _, r in rows),
+            "refused_with_retry_after": sum(
+                r["status"] == 503 and bool(r.get("retry_after")) for _, r in rows
+            ),
             "refusal_s_max": max((r["refused_s"] for _, r in rows if r["status"] == 503), default=None),
             "other_status": sorted({str(r["status"]) for _, r in rows} - {"200", "503", "dropped"}),
-            "faults": {k: sorted({f["status"] for f in faults if f["fault"] == k}) for k in ("malformed", "oversized", "unauthenticated")},
+            "faults": {
+                k: sorted({f["status"] for f in faults if f["fault"] == k})
+                for k in ("malformed", "oversized", "unauthenticated")
+            },
             "rss_mb": {"before": rss[0], "after": rss[-1], "per_wave": rss},
             "ttft_s": {"p50": _pct([r["ttft"] for r in ok], 0.5), "p95": _pct([r["ttft"] for r in ok], 0.95)},
-            "latency_s": {"p50": _pct([r["latency"] for r in ok], 0.5), "p95": _pct([r["latency"] for r in ok], 0.95)},
+            "latency_s": {
+                "p50": _pct([r["latency"] for r in ok], 0.5),
+                "p95": _pct([r["latency"] for r in ok], 0.95),
+            },
             "wall_s": time.monotonic() - tic,
             "health": httpx.get(url + "/health", timeout=5).json(),
         }
@@ -153,7 +161,9 @@ def main():
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(summary, f, indent=1)
-        assert summary["accepted_equal_to_solo"] == summary["accepted_completed"], "an answer differs from its solo run"
+        assert summary["accepted_equal_to_solo"] == summary["accepted_completed"], (
+            "an answer differs from its solo run"
+        )
         assert statistics.mean([1]) == 1
     finally:
         proc.terminate()

@@ -85,11 +85,12 @@ def expected_speedup(alpha: float, r: float, k: int, costs: StepCosts) -> float:
 
 def best_depth(alpha: float, r: float, costs: StepCosts) -> tuple[int, float]:
     """``(K, speedup)``: the chain length in 1..:data:`MAX_DEPTH` with the largest
-    :func:`expected_speedup`, or ``(0, 1.0)`` where none reaches :data:`MIN_SPEEDUP`."""
+    :func:`expected_speedup` and that speedup; K is 0 (plain decoding) where it does not
+    reach :data:`MIN_SPEEDUP`."""
     k, s = max(
         ((k, expected_speedup(alpha, r, k, costs)) for k in range(1, MAX_DEPTH + 1)), key=lambda t: t[1]
     )
-    return (k, s) if s >= MIN_SPEEDUP else (0, 1.0)
+    return (k if s >= MIN_SPEEDUP else 0), s
 
 
 def tree_budget(depth: int, costs: StepCosts) -> int:

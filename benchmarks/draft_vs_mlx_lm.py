@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -63,10 +64,16 @@ def main():
         "--trees", nargs="*", default=["dynamic:8,2"], help="our trees (adaptive off): dynamic:N,W"
     )
     ap.add_argument("--prompt-lookup", type=int, default=0, help="ours: prompt lookup beside the draft")
+    ap.add_argument("--p-min", type=float, default=None, help="ours: where drafting stops (default: P_MIN)")
     ap.add_argument("--out", default=None, help="write the per-prompt rows and the summary as JSON")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --out: keep the prompts an earlier run with the same arguments wrote",
+    )
     a = ap.parse_args()
 
-    model, tok = load(a.model, heads="none", dtype="float32", draft_model=a.draft)
+    model, tok = load(a.model, heads="none", dtype="float32", draft_model=a.draft, draft_p_min=a.p_min)
     target, draft = model.backbone, model.draft_model.backbone
     texts, _ = select_prompts(a.prompts, a.limit, a.per_category)
     sampler = make_sampler(temp=a.temp) if a.temp > 0 else None
@@ -84,8 +91,16 @@ def main():
         else:
             _ours(model, tok, warm, 8, a.temp, 0, prompt_lookup=a.prompt_lookup, **c)
     rows = []
+    if a.out and a.resume and os.path.exists(a.out):  # a run stopped part way: keep its prompts
+        with open(a.out) as f:
+            old = json.load(f)
+        if old["args"] | {"resume": a.resume} == vars(a):
+            rows = old["rows"]
+            print(f"resuming after {len(rows)} prompts of {a.out}", flush=True)
     tic = time.perf_counter()
     for i, text in enumerate(texts):
+        if i < len(rows):
+            continue
         ids = prompt_ids(tok, text)
         row, ref = {"prompt": i}, None
         for name, c in configs:
@@ -108,6 +123,8 @@ def main():
             flush=True,
         )
         rows.append(row)
+        if a.out:  # after every prompt, atomically: a stopped run loses one prompt at most
+            _write(a.out, {"args": vars(a), "summary": None, "rows": rows})
     summary = {}
     for name, _ in configs:
         summary[name] = {
@@ -123,8 +140,14 @@ def main():
         same = f"  identical {s['identical']}/{len(rows)}" if a.temp == 0 else ""
         print(f"{name:24s} x{s['median_speedup']:.2f}  tau {s['median_tau']:.2f}{same}")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"args": vars(a), "summary": summary, "rows": rows}, f, indent=1)
+        _write(a.out, {"args": vars(a), "summary": summary, "rows": rows})
+
+
+def _write(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import argparse
 import concurrent.futures
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -164,7 +163,6 @@ def main():
         assert summary["accepted_equal_to_solo"] == summary["accepted_completed"], (
             "an answer differs from its solo run"
         )
-        assert statistics.mean([1]) == 1
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -28,9 +28,11 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .checks import require_int
 from .cost import StepCosts
 from .drafters import HeadsDrafter, LookupDrafter, NoDrafter, accepted_nodes, propose
 from .lookup import append_chain, lookup_length, match_suffix
+from .model import require_model
 from .tree import Tree
 
 SOURCES = ("heads", "context", "store")
@@ -138,6 +140,7 @@ class BudgetDrafter(LookupDrafter):
         chains: False drafts the heads alone (prompt lookup off).
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: ``num_draft < 1``.
     """
 
@@ -156,6 +159,12 @@ class BudgetDrafter(LookupDrafter):
         min_ngram: int = 2,
         chains: bool = True,
     ):
+        require_model(model)
+        if not isinstance(costs, StepCosts):
+            raise TypeError(
+                f"costs must be StepCosts (mlx_stream.cost.device_costs(model)), got {type(costs).__name__}"
+            )
+        require_int(max_heads, "max_heads", 1)
         base = base if base is not None else NoDrafter()
         super().__init__(
             base, num_draft, max_ngram, min_ngram, explore_every=explore_every, decay=decay, store=store

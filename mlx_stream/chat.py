@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 
-from .generate import GenerationResponse, PromptCache, stream_generate
+from .checks import kind, require_tokenizer
+from .generate import GenerationResponse, PromptCache, check_generation, stream_generate
+from .model import require_model
+from .sampling import SamplingParams
 
 
 class ChatSession:
@@ -27,10 +31,32 @@ class ChatSession:
         cache: the :class:`~mlx_stream.generate.PromptCache`.
 
     Raises:
-        ValueError: the tokenizer has no chat template.
+        TypeError: a model or tokenizer not from :func:`mlx_stream.load`, or an unknown
+            generation argument.
+        ValueError: the tokenizer has no chat template, or a generation setting out of range.
     """
 
     def __init__(self, model, tokenizer, system: str | None = None, **generation):
+        require_model(model)
+        require_tokenizer(tokenizer)
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a str or None, got {kind(system)}")
+        known = set(inspect.signature(stream_generate).parameters) - {"model", "tokenizer", "prompt"}
+        unknown = sorted(set(generation) - known - {"prompt_cache"})
+        if unknown or "prompt_cache" in generation:
+            takes = ", ".join(sorted(known - {"prompt_cache"}))
+            raise TypeError(
+                f"ChatSession: unknown generation argument {(unknown or ['prompt_cache'])[0]!r} (the "
+                f"session owns its prompt cache); it takes stream_generate's: {takes}"
+            )
+        sampling = ("temp", "top_p", "top_k", "min_p", "min_tokens_to_keep")
+        check_generation(  # every turn's settings, checked once, before the first turn
+            generation.get("max_tokens", 256),
+            SamplingParams(**{k: generation[k] for k in sampling if k in generation}),
+            model.args.vocab_size,
+            tree=generation.get("tree"),
+            prompt_lookup=generation.get("prompt_lookup"),
+        )
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("this model has no chat template; use generate with raw text instead")
         self.model, self.tokenizer, self.generation = model, tokenizer, generation
@@ -51,6 +77,8 @@ class ChatSession:
         A ``ValueError`` (bad parameters, a transcript longer than the context window)
         removes the user turn again before it propagates.
         """
+        if not isinstance(text, str):
+            raise TypeError(f"a chat turn's text must be a str, got {kind(text)}")
         self.messages.append({"role": "user", "content": text})
         reply: list[str] = []
         failed = False

@@ -83,6 +83,12 @@ _DRAFT_MODEL = typer.Option(
 _NUM_DRAFT = typer.Option(
     None, "--num-draft-tokens", help="With --draft-model: draft a chain of this many tokens (mlx-lm's name)."
 )
+_DRAFT_P_MIN = typer.Option(
+    None,
+    "--draft-p-min",
+    help="With --draft-model: stop drafting once the draft's best path is less likely than this "
+    "(llama.cpp's --draft-p-min; default 0.6, measured; 0: always the full depth).",
+)
 _TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
 _TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]; 1 disables it.")
 _TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 disables it.")
@@ -118,6 +124,7 @@ class DecodeOptions:
     learn: bool | None
     draft_model: str | None = None
     num_draft_tokens: int | None = None
+    draft_p_min: float | None = None
 
     def generation(self, max_tokens: int) -> dict:
         """Keyword arguments of :func:`mlx_stream.stream_generate`, checked before anything
@@ -133,7 +140,7 @@ class DecodeOptions:
                 prompt_lookup=self.prompt_lookup,
             )
             check_kv(KVSettings(self.max_kv_size, self.kv_bits, self.kv_group_size, self.quantized_kv_start))
-            _check_draft_options(self.draft_model, self.num_draft_tokens, self.tree)
+            _check_draft_options(self.draft_model, self.num_draft_tokens, self.tree, self.draft_p_min)
             processors = make_processors(self.repetition_penalty)
         except ValueError as e:
             _fail(str(e))
@@ -157,7 +164,7 @@ class DecodeOptions:
     def load(self):
         """``(model, tokenizer)``; exit 2 with one line when they cannot be loaded."""
         heads = NO_HEADS if self.no_heads or self.draft_model else self.heads
-        return _load(self.model, heads, self.dtype, _learn(self.learn), self.draft_model)
+        return _load(self.model, heads, self.dtype, _learn(self.learn), self.draft_model, self.draft_p_min)
 
     def prompt_cache(self, model, tokenizer):
         """The cache loaded from ``--prompt-cache-file``, or None; exit 2 when it cannot be."""
@@ -251,6 +258,7 @@ _DECODE_OPTIONS = [
     _option("learn", bool | None, _LEARN),
     _option("draft_model", str | None, _DRAFT_MODEL),
     _option("num_draft_tokens", int | None, _NUM_DRAFT),
+    _option("draft_p_min", float | None, _DRAFT_P_MIN),
 ]
 
 
@@ -291,19 +299,34 @@ def _learn(flag: bool | None) -> bool:
         _fail(str(e))
 
 
-def _load(model: str, heads: str, dtype: str, learn: bool | str = False, draft_model: str | None = None):
+def _load(
+    model: str,
+    heads: str,
+    dtype: str,
+    learn: bool | str = False,
+    draft_model: str | None = None,
+    draft_p_min: float | None = None,
+):
     from mlx_stream.loader import load
 
     try:
-        return load(model, heads=heads, dtype=dtype, learn=learn, draft_model=draft_model)
+        return load(
+            model, heads=heads, dtype=dtype, learn=learn, draft_model=draft_model, draft_p_min=draft_p_min
+        )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
 
 
-def _check_draft_options(draft_model: str | None, num_draft_tokens: int | None, tree: str | None) -> None:
+def _check_draft_options(
+    draft_model: str | None, num_draft_tokens: int | None, tree: str | None, p_min: float | None = None
+) -> None:
     # before anything is loaded: the draft model's options make sense together
     if num_draft_tokens is not None and draft_model is None:
         raise ValueError("--num-draft-tokens sets a draft model's chain: pass --draft-model too")
+    if p_min is not None and draft_model is None:
+        raise ValueError("--draft-p-min sets where a draft model stops drafting: pass --draft-model too")
+    if p_min is not None and not 0.0 <= p_min < 1.0:
+        raise ValueError(f"--draft-p-min must be in [0, 1) (0: draft to the full depth), got {p_min}")
     if num_draft_tokens is not None and num_draft_tokens < 1:
         raise ValueError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
     if draft_model is not None and tree is not None and not tree.strip().startswith("dynamic:"):
@@ -508,6 +531,7 @@ def server(
     learn: bool | None = _LEARN,
     draft_model: str | None = _DRAFT_MODEL,
     num_draft_tokens: int | None = _NUM_DRAFT,
+    draft_p_min: float | None = _DRAFT_P_MIN,
     api_key: list[str] = typer.Option(
         [],
         "--api-key",
@@ -544,7 +568,7 @@ def server(
         _fail(f"{e} (--api-key, --max-queue, --max-body-mb)")
     try:
         check_generation(max_tokens, temp, tree=tree, prompt_lookup=prompt_lookup)
-        _check_draft_options(draft_model, num_draft_tokens, tree)
+        _check_draft_options(draft_model, num_draft_tokens, tree, draft_p_min)
     except ValueError as e:
         _fail(str(e))
     from mlx_stream.server import serve
@@ -566,6 +590,7 @@ def server(
             prompt_lookup=prompt_lookup,
             draft_model=draft_model,
             num_draft_tokens=num_draft_tokens,
+            draft_p_min=draft_p_min,
             limits=limits,
             request_timeout=request_timeout,
         )
@@ -688,6 +713,7 @@ def bench(
     ),
     draft_model: str | None = _DRAFT_MODEL,
     num_draft_tokens: int | None = _NUM_DRAFT,
+    draft_p_min: float | None = _DRAFT_P_MIN,
     adaptive: bool = typer.Option(
         True, "--adaptive/--no-adaptive", help="Adaptive speculation (off: draft at every step)."
     ),
@@ -712,7 +738,7 @@ def bench(
         if drafter not in ("heads", "oracle"):
             raise ValueError(f"unknown drafter {drafter!r}: use heads or oracle")
         check_generation(max_tokens, SamplingParams(**sampling), tree=tree, prompt_lookup=prompt_lookup)
-        _check_draft_options(draft_model, num_draft_tokens, tree)
+        _check_draft_options(draft_model, num_draft_tokens, tree, draft_p_min)
         if draft_model is not None and drafter == "oracle":
             raise ValueError("--draft-model and --drafter oracle are two drafters: pick one")
         texts, groups = select_prompts(prompts, limit, per_group)
@@ -724,7 +750,9 @@ def bench(
     ranks = connect()
     oracle = drafter == "oracle"
     no_heads = oracle or draft_model is not None
-    m, tok = _load(model, NO_HEADS if no_heads else heads, dtype, "read" if answers else False, draft_model)
+    m, tok = _load(
+        model, NO_HEADS if no_heads else heads, dtype, "read" if answers else False, draft_model, draft_p_min
+    )
     if not oracle and m.heads is None and m.draft_model is None:
         typer.echo("note: no heads loaded; this measures plain decoding through the loop", err=True)
     with Progress(

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .checks import kind, require_int, require_path, require_token_ids
+
 SEP = -1  # between sequences: never matched, never drafted
 
 
@@ -42,12 +44,18 @@ class Datastore:
         before the position, inclusive; :data:`SEP` past a sequence's start).
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: ``max_ngram < 1``.
     """
 
     def __init__(self, tokens: np.ndarray, max_ngram: int = 8):
-        if max_ngram < 1:
-            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        require_int(max_ngram, "max_ngram", 1)
+        if not isinstance(tokens, np.ndarray):
+            require_token_ids(tokens, "tokens")
+        elif tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"tokens must be a 1-D array of integer token ids, got shape {tokens.shape} {tokens.dtype}"
+            )
         self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         self.max_ngram = max_ngram
         T = len(self.tokens)
@@ -312,14 +320,20 @@ class AnswerStore:
         max_tokens: the bound (>= 1).
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: ``max_tokens < 1``.
         OSError: from :meth:`read`, :meth:`append`, :meth:`clear`: the file or its
             folder cannot be read or written.
     """
 
     def __init__(self, path: str | Path, tokenizer_hash: str, max_tokens: int = ANSWER_TOKENS):
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        require_path(path)
+        if not isinstance(tokenizer_hash, str):
+            raise TypeError(
+                "tokenizer_hash must be a str (a backbone fingerprint's 'tokenizer'), "
+                f"got {kind(tokenizer_hash)}"
+            )
+        require_int(max_tokens, "max_tokens", 1)
         self.path, self.tokenizer_hash, self.max_tokens = Path(path), tokenizer_hash, max_tokens
 
     @contextmanager
@@ -401,6 +415,9 @@ class DraftStore:
 
     Attributes:
         parts: the indices looked up.
+
+    Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
     """
 
     def __init__(
@@ -411,6 +428,18 @@ class DraftStore:
         max_ngram: int = 8,
         more: Sequence[Datastore] = (),
     ):
+        for name, value, cls in (("shipped", shipped, Datastore), ("answers", answers, AnswerStore)):
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"{name} must be a {cls.__name__} or None, got {kind(value)}")
+        if (
+            isinstance(more, (str, bytes))
+            or not isinstance(more, Sequence)
+            or not all(isinstance(m, Datastore) for m in more)
+        ):
+            raise TypeError("more must be a sequence of Datastore")
+        if not isinstance(learn, bool):
+            raise TypeError(f"learn must be True or False, got {kind(learn)}")
+        require_int(max_ngram, "max_ngram", 1)
         self.shipped, self.answers, self.learn, self.max_ngram = shipped, answers, learn, max_ngram
         self._base = [shipped] if shipped is not None and len(shipped) else []
         if answers is not None:

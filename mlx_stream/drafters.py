@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 import mlx.core as mx
 import numpy as np
 
+from .checks import require_drafter, require_int, require_number, require_token_ids
+from .model import require_model
 from .tree import Tree, build_tree, chain, check_depth, no_drafts
 
 
@@ -143,11 +145,16 @@ class HeadsDrafter:
     (:class:`~mlx_stream.sampling.GumbelNoise`).
 
     Everything stays lazy on the device: no host sync while drafting.
+
+    Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
     """
 
     coupled = True
 
     def __init__(self, model, tree: Tree):
+        require_model(model)
+        check_depth(tree, 1 << 10)
         if model.heads is None:
             raise ValueError("HeadsDrafter needs a model with stream heads")
         check_depth(tree, model.heads.num_heads)
@@ -550,11 +557,18 @@ class OracleDrafter:
         tree: the tree to fill.
         vocab_size: V.
         wrong: draft a wrong token at every depth.
+
+    Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
     """
 
     def __init__(
         self, prompt_len: int, continuation: Sequence[int], tree: Tree, vocab_size: int, wrong: bool = False
     ):
+        require_int(prompt_len, "prompt_len", 0)
+        require_token_ids(continuation, "continuation")
+        require_int(vocab_size, "vocab_size", 1)
+        check_depth(tree, 1 << 10)
         self.prompt_len = prompt_len
         self.continuation = list(continuation)
         self.tree = tree
@@ -614,6 +628,7 @@ class LookupDrafter:
             ``prior`` (so a few misses in a row are needed to stop drafting copies).
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: bad lengths.
     """
 
@@ -629,6 +644,14 @@ class LookupDrafter:
         prior: float = 0.25,
         store=None,
     ):
+        require_drafter(base, "base")
+        for name, v in (("num_draft", num_draft), ("max_ngram", max_ngram), ("min_ngram", min_ngram)):
+            require_int(v, name)
+        require_int(explore_every, "explore_every", 1)
+        for name, v in (("min_accept", min_accept), ("decay", decay), ("prior", prior)):
+            require_number(v, name)
+        if store is not None and not hasattr(store, "lookup"):
+            raise TypeError(f"store must be a Datastore, DraftStore or None, got {type(store).__name__}")
         if num_draft < 1 or min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(
                 f"prompt lookup needs num_draft >= 1 and 1 <= min_ngram <= max_ngram, "

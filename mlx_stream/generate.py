@@ -19,7 +19,9 @@ import numpy as np
 
 from .adaptive import SpeculationPolicy
 from .cache import TreeQuantizedKVCache, WindowKVCache, cache_offset, make_tree_cache, trim_cache
+from .checks import require_drafter, require_int, require_tokenizer
 from .drafters import Drafter, NoDrafter
+from .model import require_model
 from .sampling import LogitsProcessor, SamplingParams
 from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
 from .steps import KVSettings, Step, StepPipeline, TreeVerifier, check_kv, prefill
@@ -94,9 +96,15 @@ class PromptCache:
         tokens: the tokens whose keys/values the cache holds, in order.
         draft: the draft model's own cache (:class:`~mlx_stream.draft_model.DraftCache`)
             when one drafts, else None.
+
+    Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
     """
 
     def __init__(self, model, max_kv_size: int | None = None):
+        require_model(model)
+        if max_kv_size is not None:
+            require_int(max_kv_size, "max_kv_size", 1)
         self.backbone, self.max_kv_size = model.backbone, max_kv_size
         self.layers = make_tree_cache(model.backbone, max_kv_size)
         self.tokens: list[int] = []
@@ -304,6 +312,34 @@ class _Emitter:
         return delta, kept, reason
 
 
+def _check_kinds(
+    stop, logits_processors, prefill_step_size, adaptive, drafter, prompt_cache, verifier
+) -> None:
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop must be a str, a list of str or None, got {type(stop).__name__}")
+    if logits_processors is not None:
+        if not isinstance(logits_processors, Sequence) or not all(callable(p) for p in logits_processors):
+            raise TypeError(
+                "logits_processors must be a list of callables (tokens, logits) -> logits, as mlx-lm's, "
+                f"got {type(logits_processors).__name__}"
+            )
+    require_int(prefill_step_size, "prefill_step_size", 1)
+    if adaptive is not None and not isinstance(adaptive, bool):
+        raise TypeError(
+            f"adaptive must be True, False or None (on where the model drafts), got {type(adaptive).__name__}"
+        )
+    if drafter is not None:
+        require_drafter(drafter)
+    if prompt_cache is not None and not isinstance(prompt_cache, PromptCache):
+        raise TypeError(
+            f"prompt_cache must be a PromptCache (PromptCache(model) or mlx_stream.cache_prompt), "
+            f"got {type(prompt_cache).__name__}"
+        )
+    if verifier is not None and not callable(verifier):
+        raise TypeError(f"verifier must be a callable or None, got {type(verifier).__name__}")
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -418,9 +454,12 @@ def stream_generate(
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: bad parameters, an empty prompt, or a prompt that does not fit
             in the context window (checked before any forward pass).
     """
+    require_model(model)
+    require_tokenizer(tokenizer)
     sampling = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
     kv = KVSettings(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
     check_generation(max_tokens, sampling, model.args.vocab_size)
@@ -428,6 +467,9 @@ def stream_generate(
         raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
     if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
         raise ValueError(f"top_logprobs must be an integer >= 0, got {top_logprobs!r}")
+    _check_kinds(stop, logits_processors, prefill_step_size, adaptive, drafter, prompt_cache, verifier)
+    check_tree_spec(tree)
+    check_prompt_lookup(prompt_lookup)
     ids, unknown = _prompt_ids(model, tokenizer, prompt, prompt_cache, kv)
     ctx = model.context_length if max_kv_size is None else None  # a bounded cache: positions run on
     adaptive = drafter is None if adaptive is None else adaptive

@@ -10,9 +10,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .checks import check_p_min, kind, require_tokenizer
 from .defaults import DEFAULT_HEADS, DEFAULT_MODEL, NO_HEADS
 from .files import cache_dir
-from .model import SpeculativeModel
+from .model import SpeculativeModel, require_model
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
 _ALIASES = {
@@ -231,6 +232,7 @@ def load(
     dtype: str = "auto",
     learn: bool | str = False,
     draft_model=None,
+    draft_p_min: float | None = None,
 ):
     """Load a backbone and its stream heads: by default the heads shipped for the model
     (speculation on, as the command line); ``heads=None`` for plain decoding.
@@ -260,12 +262,14 @@ def load(
         draft_model: a separate draft model that drafts instead of the heads
             (:func:`load_draft`): a spec of any form ``model`` takes, or an already
             loaded ``(model, tokenizer)`` pair; None (default): none.
+        draft_p_min: the draft model's early stop (:func:`load_draft`'s ``p_min``).
 
     Returns:
         ``(model, tokenizer)``: a :class:`SpeculativeModel` and mlx-lm's
         ``TokenizerWrapper``.
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         FileNotFoundError, ValueError: see :func:`resolve_model_path`,
             :func:`cast_backbone` and :func:`mlx_stream.heads.load_heads` (heads
             trained for another backbone are refused); a heads folder's datastore
@@ -279,6 +283,20 @@ def load(
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if learn not in (True, False, "read"):
         raise ValueError(f"learn must be True, False or 'read', got {learn!r}")
+    if heads is not None and not isinstance(heads, (str, os.PathLike, StreamHeads)):
+        raise TypeError(
+            "heads must be 'default', 'none', a heads folder (str or Path), a StreamHeads or None, "
+            f"got {kind(heads)}"
+        )
+    if draft_model is not None and not (
+        isinstance(draft_model, (str, os.PathLike))
+        or (isinstance(draft_model, tuple) and len(draft_model) == 2)
+    ):
+        raise TypeError(
+            f"draft_model must be a model spec (alias, folder, .gguf, Hugging Face id), 'self' or a "
+            f"(model, tokenizer) pair, got {kind(draft_model)}"
+        )
+    check_p_min(draft_p_min)
     path = resolve_model_path(model)
     try:
         backbone, tokenizer = _load_backbone(path)
@@ -303,14 +321,16 @@ def load(
             )
     sm = SpeculativeModel(backbone, heads)
     if draft_model is not None:
-        sm.draft_model = load_draft(draft_model, sm, tokenizer, dtype)
+        sm.draft_model = load_draft(draft_model, sm, tokenizer, dtype, p_min=draft_p_min)
     hist = AnswerStore(answers_path(fp, cache_dir()), fp["tokenizer"]) if learn else None
     if shipped is not None or hist is not None:
         sm.datastore = DraftStore(shipped, hist, learn=learn is True)
     return sm, tokenizer
 
 
-def load_draft(spec, target, tokenizer, dtype: str = "auto", calibrate: bool = True):
+def load_draft(
+    spec, target, tokenizer, dtype: str = "auto", calibrate: bool = True, p_min: float | None = None
+):
     """Load a draft model for ``target`` (Leviathan et al. 2023; mlx-lm's ``--draft-model``).
 
     Args:
@@ -329,11 +349,15 @@ def load_draft(spec, target, tokenizer, dtype: str = "auto", calibrate: bool = T
             (:func:`mlx_stream.calibrate.calibrate_draft`: its agreement with the target
             and its relative cost); False: the default tree
             (:data:`~mlx_stream.draft_model.DRAFT_TREE`). ``"self"`` is always calibrated.
+        p_min: drafting stops once the draft's best path is less likely than this
+            (llama.cpp's ``--draft-p-min``; :attr:`~mlx_stream.draft_model.DraftModel.p_min`);
+            None: :data:`~mlx_stream.draft_model.P_MIN`; 0: always the full depth.
 
     Returns:
         a :class:`~mlx_stream.draft_model.DraftModel`.
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         FileNotFoundError, ValueError: see :func:`resolve_model_path`; a draft whose
             tokenizer or special tokens differ from the target's (the first difference
             named, :func:`~mlx_stream.draft_model.check_draft_tokenizer`), before any
@@ -341,11 +365,17 @@ def load_draft(spec, target, tokenizer, dtype: str = "auto", calibrate: bool = T
     """
     from .draft_model import DraftModel, check_draft_tokenizer
 
+    require_model(target, "target")
+    require_tokenizer(tokenizer)
+    if not isinstance(calibrate, bool):
+        raise TypeError(f"calibrate must be True or False, got {kind(calibrate)}")
+    check_p_min(p_min)
     if isinstance(spec, str) and spec.strip() == "self":
         from .calibrate import self_draft
 
         draft, info = self_draft(target, tokenizer)
         draft.calibration = info["candidates"][info["best"]] | {"cached": info["cached"]}
+        draft.p_min = draft.p_min if p_min is None else float(p_min)
         _note_unpaid(draft)
         return draft
     if isinstance(spec, tuple) and len(spec) == 2:
@@ -374,6 +404,7 @@ def load_draft(spec, target, tokenizer, dtype: str = "auto", calibrate: bool = T
 
     make_tree_cache(backbone)  # refuses caches that cannot be rewound, before any decoding
     draft = DraftModel(backbone, vocab, name)
+    draft.p_min = draft.p_min if p_min is None else float(p_min)
     if calibrate:
         from .calibrate import calibrate_draft
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .checks import kind
 from .models import family
 
 
@@ -24,9 +25,25 @@ class SpeculativeModel(nn.Module):
             (:func:`mlx_stream.loader.load` sets it).
         draft_model: a :class:`~mlx_stream.draft_model.DraftModel` that drafts instead
             of the heads, or ``None`` (``load(..., draft_model=)`` sets it).
+
+    Raises:
+        TypeError: ``backbone`` is not an mlx-lm model, or ``heads`` not a module.
     """
 
     def __init__(self, backbone: nn.Module, heads: nn.Module | None = None):
+        if (
+            not isinstance(backbone, nn.Module)
+            or not hasattr(backbone, "args")
+            or isinstance(backbone, SpeculativeModel)
+        ):
+            raise TypeError(
+                "backbone must be an mlx-lm model (model, tokenizer = mlx_lm.load(...)); a model from "
+                f"mlx_stream.load is already a SpeculativeModel; got {type(backbone).__name__}"
+            )
+        if heads is not None and not isinstance(heads, nn.Module):
+            raise TypeError(
+                f"heads must be StreamHeads (mlx_stream.heads.load_heads) or None, got {type(heads).__name__}"
+            )
         super().__init__()
         self.backbone = backbone
         self.heads = heads
@@ -126,3 +143,17 @@ class SpeculativeModel(nn.Module):
             mx.array([[root]], dtype=mx.int32),
         )  # (K, 1, 1, H)
         return self.project(self.heads(s)[:, 0, 0], rows)
+
+
+def require_model(model, name: str = "model") -> None:
+    """``model`` must be a :class:`~mlx_stream.model.SpeculativeModel`.
+
+    Raises:
+        TypeError: anything else, naming what to pass instead.
+    """
+    if not isinstance(model, SpeculativeModel):
+        raise TypeError(
+            f"{name} must be the SpeculativeModel that mlx_stream.load returns (model, tokenizer = "
+            f"mlx_stream.load(SPEC)), or an mlx-lm model wrapped as mlx_stream.SpeculativeModel(m); "
+            f"got {kind(model)}"
+        )

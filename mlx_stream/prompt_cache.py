@@ -18,7 +18,9 @@ import os
 from pathlib import Path
 
 from .cache import TreeKVCache, TreeQuantizedKVCache, WindowKVCache
+from .checks import kind, require_int, require_path, require_tokenizer
 from .generate import PromptCache
+from .model import require_model
 
 TOKENS_KEY = "mlx_stream_tokens"  # (no dots: mlx-lm unflattens the metadata on them)
 FINGERPRINT_KEY = "mlx_stream_fingerprint"
@@ -35,6 +37,7 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, model_spec: str, tok
         tokenizer: the model's tokenizer (for the fingerprint).
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: the path does not end in ``.safetensors``; the cache is empty or
             bounded (``max_kv_size``: mlx-lm's rotating cache keeps other state).
     """
@@ -43,6 +46,16 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, model_spec: str, tok
 
     from .heads import backbone_fingerprint
 
+    require_path(path)
+    if not isinstance(cache, PromptCache):
+        raise TypeError(
+            f"cache must be a PromptCache (mlx_stream.cache_prompt or PromptCache(model)), got {kind(cache)}"
+        )
+    if not isinstance(model_spec, str):
+        raise TypeError(
+            f"model_spec must be a str (the model as given to mlx_stream.load), got {kind(model_spec)}"
+        )
+    require_tokenizer(tokenizer)
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"{path}: a prompt cache file name ends in .safetensors")
@@ -88,6 +101,7 @@ def load_prompt_cache(path: str | Path, model, tokenizer) -> PromptCache:
         prompt as continuing the cache.
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         FileNotFoundError: no such file.
         ValueError: not a prompt cache file; made for another model (its fingerprint,
             number of layers or key/value shapes differ); a bounded (rotating) cache.
@@ -97,6 +111,9 @@ def load_prompt_cache(path: str | Path, model, tokenizer) -> PromptCache:
 
     from .heads import backbone_fingerprint
 
+    require_path(path)
+    require_model(model)
+    require_tokenizer(tokenizer)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prompt cache file")
@@ -163,12 +180,16 @@ def cache_prompt(
     quantized from ``quantized_kv_start`` with ``kv_bits``).
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: an empty or malformed prompt, a prompt longer than the context
             window, bad KV settings.
     """
     from .generate import encode_prompt
     from .steps import KVSettings, check_kv, prefill
 
+    require_model(model)
+    require_tokenizer(tokenizer)
+    require_int(prefill_step_size, "prefill_step_size", 1)
     kv = KVSettings(None, kv_bits, kv_group_size, quantized_kv_start)
     args = model.backbone.args
     check_kv(kv, getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)

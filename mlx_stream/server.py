@@ -385,8 +385,8 @@ class Engine:
 
     Args:
         model: model spec for :func:`mlx_stream.load`.
-        heads, dtype, learn, draft_model: as :func:`mlx_stream.load` (``learn``: answers
-            join this machine's store of the model's answers, which drafts draw on;
+        heads, dtype, learn, draft_model, draft_p_min: as :func:`mlx_stream.load` (``learn``:
+            answers join this machine's store of the model's answers, which drafts draw on;
             ``draft_model``: a separate draft model drafts every request).
         cache_slots: prompt caches kept (conversations whose history is reused).
         request_timeout: seconds a request may decode; then it ends as if ``max_tokens``
@@ -407,6 +407,7 @@ class Engine:
         learn: bool = False,
         draft_model: str | None = None,
         request_timeout: float | None = None,
+        draft_p_min: float | None = None,
         **generation,
     ):
         if cache_slots < 1:
@@ -423,7 +424,7 @@ class Engine:
         ready, failure = threading.Event(), []
         self.thread = threading.Thread(
             target=self._run,
-            args=(model, heads, dtype, learn, draft_model, ready, failure),
+            args=(model, heads, dtype, learn, draft_model, draft_p_min, ready, failure),
             daemon=True,
             name="mlx-stream-engine",
         )
@@ -450,13 +451,13 @@ class Engine:
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
-    def _run(self, model, heads, dtype, learn, draft_model, ready, failure):
+    def _run(self, model, heads, dtype, learn, draft_model, draft_p_min, ready, failure):
         from .generate import PromptCache
         from .loader import load
 
         try:
             self.model, self.tokenizer = load(
-                model, heads=heads, dtype=dtype, learn=learn, draft_model=draft_model
+                model, heads=heads, dtype=dtype, learn=learn, draft_model=draft_model, draft_p_min=draft_p_min
             )
         except Exception as e:  # handed to the constructor, which raises it
             failure.append(e)
@@ -1062,7 +1063,8 @@ def serve(
         limits: API keys, the queue bound, the body cap (:class:`ServerLimits`).
         request_timeout: seconds a request may decode (:class:`Engine`).
         **generation: ``tree``, ``prompt_lookup``, ``num_draft_tokens`` for
-            :func:`mlx_stream.stream_generate`; ``draft_model``: for :func:`mlx_stream.load`.
+            :func:`mlx_stream.stream_generate`; ``draft_model``, ``draft_p_min``: for
+            :func:`mlx_stream.load`.
 
     Raises:
         ValueError, FileNotFoundError: the model or heads cannot be loaded.

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .budget import BudgetDrafter, head_values
+from .checks import check_p_min, kind, require_int
 from .cost import StepCosts, device_costs
 from .defaults import AUTO_TREE, BUDGET_TREE, PROMPT_LOOKUP
 from .drafters import Drafter, DynamicTreeDrafter, EagleDrafter, HeadsDrafter, LookupDrafter, NoDrafter
+from .model import require_model
 from .tree import Tree, format_tree, no_drafts, parse_tree
 
 TreeSpec = str | Sequence[Sequence[int]] | Tree | None
@@ -239,12 +241,22 @@ def plan_drafting(
     Args: as :func:`make_drafter`.
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: a bad tree spec or ``prompt_lookup``, a tree deeper than the heads,
             a dynamic tree without eagle heads, or ``"budget"`` with eagle heads
             (:func:`build_drafter` refuses ``"auto"`` where the heads carry no
             candidate trees).
     """
+    require_model(model)
     check_prompt_lookup(prompt_lookup)
+    if not isinstance(sampled, bool):
+        raise TypeError(f"sampled must be True or False, got {kind(sampled)}")
+    if store is not None and store is not False and not hasattr(store, "lookup"):
+        raise TypeError(
+            f"store must be a Datastore or DraftStore, None (the model's own) or False, got {kind(store)}"
+        )
+    if num_draft_tokens is not None:
+        require_int(num_draft_tokens, "num_draft_tokens", 1)
     heads = model.heads
     if store is None:
         store = getattr(model, "datastore", None)
@@ -303,8 +315,8 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
         if tree is not None:
             raise ValueError("pass either num_draft_tokens (a chain) or a tree for the draft model, not both")
         k = num_draft_tokens
-        return DraftPlan("draft", budget=k + 1, width=1, depth=k, draft=draft, **common)
-    budget, width, depth, p_min = DRAFT_TREE
+        return DraftPlan("draft", budget=k + 1, width=1, depth=k, p_min=_p_min(draft), draft=draft, **common)
+    budget, width, depth = DRAFT_TREE
     dyn = dynamic_spec(tree)
     if dyn is not None and dyn[0] == 0:
         raise ValueError(f"{tree!r}: a draft model's tree takes a node budget: dynamic:N[,W]")
@@ -321,7 +333,14 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
             f"a draft model drafts its own tree: tree must be None, 'dynamic:N[,W]' (N nodes, W children "
             f"per expanded node) or num_draft_tokens=K (a chain), got {tree!r}"
         )
-    return DraftPlan("draft", budget=budget, width=width, depth=depth, p_min=p_min, draft=draft, **common)
+    return DraftPlan(
+        "draft", budget=budget, width=width, depth=depth, p_min=_p_min(draft), draft=draft, **common
+    )
+
+
+def _p_min(draft) -> float:
+    check_p_min(draft.p_min)  # an attribute a caller may set
+    return float(draft.p_min or 0.0)
 
 
 def build_drafter(model, plan: DraftPlan, costs=None, draft_cache=None) -> Drafter:
@@ -337,7 +356,16 @@ def build_drafter(model, plan: DraftPlan, costs=None, draft_cache=None) -> Draft
         draft_cache: the draft model's :class:`~mlx_stream.draft_model.DraftCache`
             (``"draft"``; :meth:`mlx_stream.generate.PromptCache.draft_cache` keeps one
             per prompt cache); None: a fresh one.
+
+    Raises:
+        TypeError: ``model`` is not a SpeculativeModel, ``plan`` not a DraftPlan, or
+            ``costs`` not StepCosts.
     """
+    require_model(model)
+    if not isinstance(plan, DraftPlan):
+        raise TypeError(f"plan must be a DraftPlan (mlx_stream.plan_drafting(model, ...)), got {kind(plan)}")
+    if costs is not None and not isinstance(costs, StepCosts):
+        raise TypeError(f"costs must be StepCosts (mlx_stream.cost.device_costs) or None, got {kind(costs)}")
     if plan.kind == "budget":
         trees = [t for t, _ in head_values(plan.candidates)]
         if costs is None:
@@ -398,9 +426,11 @@ def resolve_tree(model, spec: TreeSpec = None) -> Tree:
             limited in depth (a custom drafter fills them).
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: a malformed spec, a tree deeper than the loaded heads, ``"auto"``
             without heads that carry candidate trees, or a dynamic tree.
     """
+    require_model(model)
     if dynamic_spec(spec) is not None or is_budget(spec):
         raise ValueError(
             f"{spec!r} is a dynamic tree (its shape changes every step): use it with make_drafter or "

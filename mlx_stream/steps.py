@@ -320,6 +320,12 @@ def prefill(model, cache, ids: list[int], drafter, step_size: int, kv: KVSetting
                 c.evict()
         chunks.append(h)
     cache.tokens = list(ids)
+    draft = getattr(getattr(drafter, "base", drafter), "draft_cache", None)  # prompt lookup wraps it
+    if draft is not None:
+        # a draft model's prompt is prefilled here too (as mlx-lm does), so the first
+        # step drafts at decoding cost and prompt_tps covers both models' prefill
+        draft.sync(ids, step_size)
+        mx.eval([c.state for c in draft.layers])
     return hidden, mid, reused, mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]
 
 

@@ -96,8 +96,18 @@ def build_tree(choices: Sequence[Sequence[int]]) -> Tree:
             removed. An empty list is the root-only tree (no drafts).
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: a path with a negative rank, an empty path, or a missing parent.
     """
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"choices must be a list of rank paths such as [(0,), (1,), (0, 0)], got {type(choices).__name__}"
+        )
+    for c in choices:
+        if isinstance(c, (str, bytes)) or not isinstance(c, (Sequence, np.ndarray)):
+            raise TypeError(f"each tree path is a sequence of ranks such as (0, 1), got {c!r}")
+        if any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) for r in c):
+            raise TypeError(f"tree path {c!r}: ranks are integers >= 0")
     paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
     index = {(): 0}
     for i, c in enumerate(paths, start=1):
@@ -125,7 +135,13 @@ def build_tree(choices: Sequence[Sequence[int]]) -> Tree:
 
 
 def chain(k: int) -> Tree:
-    """The chain tree: head j's top-1 token at depth j, j = 1..k."""
+    """The chain tree: head j's top-1 token at depth j, j = 1..k.
+
+    Raises:
+        ValueError: ``k`` is not an integer >= 0.
+    """
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+        raise ValueError(f"a chain's length k must be an integer >= 0, got {k!r}")
     return build_tree([(0,) * d for d in range(1, k + 1)])
 
 
@@ -202,6 +218,7 @@ def parse_tree(spec: str | Sequence[Sequence[int]] | Tree | None, num_heads: int
         num_heads: how many stream heads are available; deeper trees are refused.
 
     Raises:
+        TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: an unknown preset, a malformed path string, or a tree deeper
             than ``num_heads``.
     """
@@ -224,8 +241,15 @@ def parse_tree(spec: str | Sequence[Sequence[int]] | Tree | None, num_heads: int
                 f"unknown tree {spec!r}: use one of {', '.join(PRESETS)}, 'chain:K', "
                 "or rank paths like '0;1;0,0;0,0,0'"
             )
-    else:
+    elif isinstance(spec, (Sequence, np.ndarray)) and not isinstance(spec, bytes):
         tree = build_tree(spec)
+    else:
+        raise TypeError(
+            f"a tree is a Tree, a list of rank paths such as [(0,), (0, 0)], None, or a string "
+            f"({', '.join(PRESETS)}, 'chain:K', or paths such as '0;1;0,0'); got {type(spec).__name__}"
+        )
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)):
+        raise TypeError(f"num_heads must be an integer, got {type(num_heads).__name__}")
     check_depth(tree, num_heads)
     return tree
 

@@ -22,6 +22,7 @@ LAYERS = [
         "base",
         {
             "mlx_stream.defaults",
+            "mlx_stream.checks",
             "mlx_stream.files",
             "mlx_stream.prompts",
             "mlx_stream.distributed",

@@ -17,8 +17,9 @@ caches, and every configuration starts from a copy of them: the speed measured e
 prefill anyway, and a 3-bit draft's prefill on a CPU (~0.1 s a token) would otherwise
 take most of the run. Prompts run category by category in turn (the first of each, then
 the second, ...); ``--shard I/N`` runs every N-th of them from the I-th, so that N
-processes share the prompts (each still side by side within itself); ``--summarize``
-merges their ``--out`` files.
+processes share the prompts (each still side by side within itself), and ``--reverse``
+runs a shard's prompts last first, so that a second process on the same shard meets the
+first; ``--summarize`` merges their ``--out`` files (a prompt run twice counts once).
 
     python benchmarks/draft_vs_mlx_lm.py --draft /tmp/smol-q3 --per-category 8 --max-tokens 128
     python benchmarks/draft_vs_mlx_lm.py --draft /tmp/smol-q3 --temp 0 0.7 --shard 0/2 --out a.json --resume
@@ -146,6 +147,11 @@ def main():
     ap.add_argument("--prompt-lookup", type=int, default=0, help="ours: prompt lookup beside the draft")
     ap.add_argument("--p-min", type=float, default=None, help="ours: where drafting stops (default: P_MIN)")
     ap.add_argument("--shard", default="0/1", help="I/N: every N-th prompt from the I-th")
+    ap.add_argument(
+        "--reverse",
+        action="store_true",
+        help="the shard's prompts last first (a second process meets the first)",
+    )
     ap.add_argument("--out", default=None, help="write the per-prompt rows and the summary as JSON")
     ap.add_argument(
         "--resume",
@@ -155,10 +161,13 @@ def main():
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="merge --out files and print medians")
     a = ap.parse_args()
     if a.summarize:
-        rows = []
+        rows, seen = [], set()
         for path in a.summarize:
             with open(path) as f:
-                rows += json.load(f)["rows"]
+                for r in json.load(f)["rows"]:  # a prompt two processes both ran counts once
+                    if (r["prompt"], r["temp"]) not in seen:
+                        seen.add((r["prompt"], r["temp"]))
+                        rows.append(r)
         _print_summary(summarize(rows), f" ({len(a.summarize)} files)")
         return
     if not a.draft:
@@ -171,7 +180,7 @@ def main():
     # the categories in turn (the first of each, then the second, ...), so that a run stopped
     # part way has measured every category
     order = sorted(range(len(texts)), key=lambda i: (groups[:i].count(groups[i]), i) if groups else i)
-    order = order[shard::shards]
+    order = order[shard::shards][:: -1 if a.reverse else 1]
     chains = a.k if a.chains is None else a.chains
     configs = (
         [("mlx-lm plain", {})]

@@ -31,7 +31,7 @@ from .cost import StepCosts, device_costs
 from .defaults import AUTO_TREE, BUDGET_TREE, PROMPT_LOOKUP
 from .drafters import Drafter, DynamicTreeDrafter, EagleDrafter, HeadsDrafter, LookupDrafter, NoDrafter
 from .model import require_model
-from .tree import Tree, format_tree, no_drafts, parse_tree
+from .tree import Tree, check_tree_syntax, format_tree, no_drafts, parse_tree
 
 TreeSpec = str | Sequence[Sequence[int]] | Tree | None
 
@@ -86,7 +86,7 @@ def check_tree_spec(spec: TreeSpec) -> None:
     """
     if spec is not None and not is_auto(spec) and not is_budget(spec) and dynamic_spec(spec) is None:
         try:
-            parse_tree(spec, 1 << 10)
+            check_tree_syntax(spec)
         except ValueError as e:
             raise ValueError(f"{e}; or '{AUTO_TREE}', '{BUDGET_TREE}', 'dynamic:N[,W]'") from None
 
@@ -197,7 +197,8 @@ class DraftPlan:
             ``"budget"`` (:class:`~mlx_stream.budget.BudgetDrafter`), ``"draft"`` (a
             separate draft model's tree, :class:`~mlx_stream.draft_model.DraftModelDrafter`:
             :attr:`budget` nodes, :attr:`width` children per expanded node,
-            :attr:`depth` deep, expansion stopping below :attr:`p_min`).
+            :attr:`depth` deep, :attr:`expand` nodes expanded per depth, expansion
+            stopping below :attr:`p_min`).
         tree: the static tree (``"static"``), the heads' stored tree (``"budget"``'s
             base), else None.
         candidates: the heads' candidate trees and held-out taus, parsed
@@ -220,6 +221,7 @@ class DraftPlan:
     draft: object = None
     depth: int = 0
     p_min: float = 0.0
+    expand: int = 1
 
     @property
     def measures_costs(self) -> bool:
@@ -280,10 +282,10 @@ def plan_drafting(
     if tree is None:
         tree = stored_tree(model, sampled)
     if heads is None:
-        # a malformed spec is refused with or without heads (None, the heads' default sparse
-        # tree, is not built: over 1 << 10 "heads" that took ~0.3 s a call)
-        if tree is not None and dynamic_spec(tree) is None and not is_auto(tree):
-            parse_tree(tree, 1 << 10)
+        # a malformed spec is refused with or without heads (no preset is built: "sparse"
+        # over 1 << 10 "heads" took ~0.3 s a call)
+        if dynamic_spec(tree) is None and not is_auto(tree):
+            check_tree_syntax(tree)
         return DraftPlan("none", **common)
     dyn = dynamic_spec(tree)
     if dyn is not None:
@@ -317,7 +319,9 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
         if tree is not None:
             raise ValueError("pass either num_draft_tokens (a chain) or a tree for the draft model, not both")
         k = num_draft_tokens
-        return DraftPlan("draft", budget=k + 1, width=1, depth=k, p_min=_p_min(draft), draft=draft, **common)
+        return DraftPlan(
+            "draft", budget=k + 1, width=1, depth=k, p_min=_p_min(draft), draft=draft, expand=1, **common
+        )
     budget, width, depth = DRAFT_TREE
     dyn = dynamic_spec(tree)
     if dyn is not None and dyn[0] == 0:
@@ -336,7 +340,14 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
             f"per expanded node) or num_draft_tokens=K (a chain), got {tree!r}"
         )
     return DraftPlan(
-        "draft", budget=budget, width=width, depth=depth, p_min=_p_min(draft), draft=draft, **common
+        "draft",
+        budget=budget,
+        width=width,
+        depth=depth,
+        p_min=_p_min(draft),
+        draft=draft,
+        expand=draft.expand_for(width),
+        **common,
     )
 
 
@@ -388,7 +399,9 @@ def build_drafter(model, plan: DraftPlan, costs=None, draft_cache=None) -> Draft
         from .draft_model import DraftCache, DraftModelDrafter
 
         cache = draft_cache if draft_cache is not None else DraftCache(plan.draft)
-        drafter = DraftModelDrafter(cache, plan.budget, plan.width, plan.depth, plan.p_min)
+        drafter = DraftModelDrafter(
+            cache, plan.budget, plan.width, plan.depth, plan.p_min, expand=plan.expand
+        )
     elif plan.kind == "dynamic":
         budget = plan.budget
         if budget == 0:  # the node budget whose best static tree pays most here (EAGLE-2's N from c(N))

@@ -254,6 +254,18 @@ def parse_tree(spec: str | Sequence[Sequence[int]] | Tree | None, num_heads: int
     return tree
 
 
+def check_tree_syntax(spec: str | Sequence[Sequence[int]] | Tree | None) -> None:
+    """Refuse a malformed tree spec before any heads are known, building no preset (their
+    size follows the heads: ``"sparse"`` over 1,024 of them is a 2,047-node tree).
+
+    Raises:
+        TypeError, ValueError: as :func:`parse_tree`, but never for a tree's depth.
+    """
+    if spec is None or (isinstance(spec, str) and spec.strip() in PRESETS):
+        return
+    parse_tree(spec, 1 << 30)  # paths and chain:K are built as given, however deep
+
+
 def check_depth(tree: Tree, num_heads: int) -> None:
     """Refuse a tree that ``num_heads`` stream heads cannot fill (one head per depth).
 

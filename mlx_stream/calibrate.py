@@ -37,6 +37,8 @@ MAX_DEPTH = 8  # the longest chain considered
 MIN_SPEEDUP = 1.02  # a draft must be expected to beat plain decoding by this much
 CALIBRATION_PROMPTS = 4  # held-out prompts whose continuations the agreement is measured on
 CALIBRATION_TOKENS = 48  # tokens the target writes for each
+NODE_COUNTS = (2, 4)  # frontier nodes a depth might expand at once, timed
+CALIBRATION_VERSION = 2  # what a cached calibration holds (2: node_costs); older ones are measured again
 
 
 def layer_subset(backbone, keep: Sequence[int]):
@@ -132,21 +134,32 @@ def _agreement(backbone, targets: list[mx.array], seqs) -> float:
     return hits / max(total, 1)
 
 
-def _forward_ms(backbone, context: int = 256, repeats: int = 5) -> float:
+def _forward_ms(backbone, context: int = 256, repeats: int = 5, nodes: int = 1) -> float:
     from .cache import make_tree_cache, trim_cache
     from .models import family
 
     fam = family(backbone)
     cache = make_tree_cache(backbone)
     fam.prefill_hidden(backbone, mx.zeros((context,), dtype=mx.int32), cache)
+    tokens, positions = mx.zeros((nodes,), dtype=mx.int32), mx.full((nodes,), context, dtype=mx.int32)
+    mask = None if nodes == 1 else mx.ones((nodes, context + nodes), dtype=mx.bool_)
     runs = []
     for _ in range(repeats + 1):
         tic = time.perf_counter()
-        h, _ = fam.tree_hidden(backbone, mx.zeros((1,), dtype=mx.int32), mx.array([context]), None, cache)
+        h, _ = fam.tree_hidden(backbone, tokens, positions, mask, cache)
         mx.eval(fam.project(backbone, h))
         runs.append(time.perf_counter() - tic)
         trim_cache(cache, context)
     return 1e3 * statistics.median(runs[1:])
+
+
+def node_costs(backbone, t1_ms: float | None = None) -> dict[str, float]:
+    """A draft forward over n frontier nodes, for n in :data:`NODE_COUNTS`, relative to its
+    forward over one (the cost of expanding n nodes of a depth at once: about 1 where
+    the device is memory-bound, as on Apple silicon; about n on this CPU, whose quantized
+    kernels do not batch)."""
+    one = t1_ms if t1_ms is not None else _forward_ms(backbone)
+    return {str(n): _forward_ms(backbone, nodes=n) / one for n in NODE_COUNTS}
 
 
 def _cached(model, what: dict, cache_dir, refresh: bool, measure) -> dict:
@@ -207,11 +220,19 @@ def calibrate_draft(model, tokenizer, draft: DraftModel, cache_dir=None, refresh
         seqs = _calibration_text(model, tokenizer)
         targets = [mx.array(out) for _, out in seqs]
         alpha = _agreement(draft.backbone, targets, seqs)
-        r = _forward_ms(draft.backbone) / _forward_ms(model.backbone)
+        t_draft = _forward_ms(draft.backbone)
+        r = t_draft / _forward_ms(model.backbone)
         k, s = best_depth(alpha, r, costs)
-        return {"alpha": alpha, "r": r, "depth": k, "budget": tree_budget(k, costs) if k else 0, "speedup": s}
+        return {
+            "alpha": alpha,
+            "r": r,
+            "depth": k,
+            "budget": tree_budget(k, costs) if k else 0,
+            "speedup": s,
+            "node_costs": node_costs(draft.backbone, t_draft),
+        }
 
-    return _cached(model, _draft_id(draft), cache_dir, refresh, measure)
+    return _cached(model, _draft_id(draft) | {"v": CALIBRATION_VERSION}, cache_dir, refresh, measure)
 
 
 def self_draft(model, tokenizer, cache_dir=None, refresh: bool = False) -> tuple[DraftModel, dict]:
@@ -256,11 +277,13 @@ def self_draft(model, tokenizer, cache_dir=None, refresh: bool = False) -> tuple
         best = max(range(len(rows)), key=lambda i: rows[i]["speedup"])
         row = rows[best]
         row["budget"] = tree_budget(row["depth"], costs) if row["depth"] else 0
+        row["node_costs"] = node_costs(layer_subset(bb, row["keep"]))
         return {"candidates": rows, "best": best}
 
-    info = _cached(model, {"name": "self", "layers": num}, cache_dir, refresh, measure)
+    what = {"name": "self", "layers": num, "v": CALIBRATION_VERSION}
+    info = _cached(model, what, cache_dir, refresh, measure)
     row = info["candidates"][info["best"]]
     kept = ",".join(map(str, row["keep"]))
     draft = DraftModel(layer_subset(bb, row["keep"]), model.args.vocab_size, name=f"self (layers {kept})")
-    draft.depth, draft.budget = row["depth"], row["budget"]
+    draft.depth, draft.budget, draft.calibration = row["depth"], row["budget"], row
     return draft, info

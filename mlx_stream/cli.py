@@ -1065,6 +1065,16 @@ def calibrate(
             f"{what}: agreement {r['alpha']:.3f}, forward {r['r']:.2f}x the model's, "
             f"best chain {r['depth'] or 'none'} (expected x{r['speedup']:.2f} of plain){best}"
         )
+    chosen = rows[info.get("best", 0)]
+    if chosen.get("node_costs"):
+        from mlx_stream.draft_model import EXPAND_COST
+
+        costs = ", ".join(f"{n} nodes {c:.2f}x" for n, c in chosen["node_costs"].items())
+        cheap = [int(n) for n, c in chosen["node_costs"].items() if c <= EXPAND_COST]
+        typer.echo(
+            f"a draft forward over several tree nodes costs, relative to one: {costs}: trees expand "
+            f"{'up to ' + str(max(cheap)) + ' nodes' if cheap else 'one node'} a depth (siblings are free)"
+        )
     if all(r["depth"] == 0 for r in rows):
         typer.echo(
             "no draft pays on this device: --draft-model decodes plainly (--num-draft-tokens K forces it)"

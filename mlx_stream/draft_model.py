@@ -28,6 +28,11 @@ P_MIN = 0.6
 # a draft model's default tree: (nodes incl. the root, children per expanded node, depth).
 # Measured on this CPU (2026-12-03, docs/drafting.md, "Drafting with a draft model").
 DRAFT_TREE = (8, 2, 4)
+# a depth expands several frontier nodes at once only where feeding them costs at most this
+# many single-node draft forwards (calibrated ``node_costs``): siblings themselves are free
+# (the top-k of logits already computed), expanding them is not where the draft's kernels
+# do not batch (this CPU, 3-bit: 2 nodes cost 2.0x one)
+EXPAND_COST = 1.25
 
 
 def _vocab(tokenizer) -> dict[str, int]:
@@ -125,6 +130,17 @@ class DraftModel:
         self.calibration: dict | None = None
         self.p_min: float = P_MIN
 
+    def expand_for(self, width: int) -> int:
+        """Frontier nodes a tree of ``width`` children per node expands per depth: the
+        most, up to ``width``, whose batched draft forward was measured to cost at most
+        :data:`EXPAND_COST` single-node ones (``calibration["node_costs"]``), else 1;
+        ``width`` (EAGLE-2's top-k expansion) where not measured."""
+        costs = (self.calibration or {}).get("node_costs")
+        if not costs:
+            return width
+        cheap = [int(n) for n, c in costs.items() if int(n) <= width and c <= EXPAND_COST]
+        return max([1, *cheap])
+
 
 class DraftCache:
     """A draft model's own KV cache, kept equal to the tokens it last saw.
@@ -190,9 +206,13 @@ class DraftModelDrafter:
     Each step the draft model's cache is brought to the context (:meth:`DraftCache.sync`,
     one forward over the tokens accepted since the last step and the root), then the tree
     grows one depth per batched draft forward: depth 1 holds the root's ``width`` most
-    likely children; at each deeper depth the ``width`` candidates of highest cumulative
+    likely children; at each deeper depth the ``expand`` candidates of highest cumulative
     draft log-probability are fed together (each attends to the context, its ancestors
-    and itself) and each proposes its ``width`` most likely children. Expansion stops
+    and itself) and each proposes its ``width`` most likely children. Siblings cost the
+    draft nothing (the top-k of logits it computed anyway); each expanded node costs a
+    node of a draft forward, so ``expand`` follows the device
+    (:meth:`DraftModel.expand_for`): ``width`` where a batched forward is about as
+    cheap as one, 1 (a chain's draft cost, its siblings verified too) where it is not. Expansion stops
     early once the best candidate of a depth is less likely than ``p_min`` (llama.cpp's
     ``--draft-p-min``), so a draft that is unsure costs few forwards. The ``budget - 1``
     candidates of highest value become the tree (:func:`~mlx_stream.drafters.select_dynamic_tree`).
@@ -211,9 +231,10 @@ class DraftModelDrafter:
         depth: the deepest draft (>= 1).
         p_min: stop expanding once the best candidate's cumulative draft probability
             is below this (0: never; default :data:`P_MIN`).
+        expand: frontier nodes fed per depth, 1..``width`` (default ``width``).
 
     Raises:
-        ValueError: a budget, width, depth or p_min out of range.
+        ValueError: a budget, width, depth, p_min or expand out of range.
     """
 
     capture = None
@@ -222,14 +243,22 @@ class DraftModelDrafter:
     dynamic_tree = True  # the tree's shape changes step by step (adaptive speculation times each)
 
     def __init__(
-        self, draft: DraftCache, budget: int = 8, width: int = 2, depth: int = 4, p_min: float = P_MIN
+        self,
+        draft: DraftCache,
+        budget: int = 8,
+        width: int = 2,
+        depth: int = 4,
+        p_min: float = P_MIN,
+        expand: int | None = None,
     ):
-        if budget < 2 or width < 1 or depth < 1 or not 0.0 <= p_min < 1.0:
+        expand = width if expand is None else expand
+        if budget < 2 or width < 1 or depth < 1 or not 0.0 <= p_min < 1.0 or not 1 <= expand <= width:
             raise ValueError(
-                f"draft model tree: budget must be >= 2, width >= 1, depth >= 1 and 0 <= p_min < 1, "
-                f"got {budget}, {width}, {depth}, {p_min}"
+                f"draft model tree: budget must be >= 2, width >= 1, depth >= 1, 0 <= p_min < 1 and "
+                f"1 <= expand <= width, got {budget}, {width}, {depth}, {p_min}, {expand}"
             )
         self.draft, self.budget, self.width, self.p_min = draft, budget, width, p_min
+        self.expand = expand
         self.draft_cache = draft  # what the loop checks (a draft model's cache is not bounded)
         self.depth = min(depth, budget - 1)
         self.tree = chain(self.depth)  # the deepest shape a step drafts (adaptive speculation's)
@@ -260,7 +289,7 @@ class DraftModelDrafter:
         level0, anc = 0, mx.zeros((0, 0), dtype=mx.bool_)
         floor = np.log(self.p_min) if self.p_min > 0 else None
         for d in range(2, depth + 1):
-            sel = _topk(vals[-1], min(k, vals[-1].shape[0]))  # the depth's best, expanded
+            sel = _topk(vals[-1], min(self.expand, vals[-1].shape[0]))  # the depth's best, expanded
             if floor is not None and vals[-1][sel[0]].item() < floor:
                 break  # the draft is unsure: further depths would rarely be accepted
             n, E = sel.shape[0], anc.shape[0]

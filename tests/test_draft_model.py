@@ -30,8 +30,8 @@ def _run(target, tok, **kw):
     return out, last
 
 
-@pytest.mark.parametrize("width,budget,depth", [(1, 4, 3), (2, 8, 4)])
-def test_draft_model_output_equals_plain(pair, width, budget, depth):
+@pytest.mark.parametrize("width,budget,depth,expand", [(1, 4, 3, 1), (2, 8, 4, 2), (3, 10, 4, 1)])
+def test_draft_model_output_equals_plain(pair, width, budget, depth, expand):
     from mlx_stream.draft_model import DraftCache, DraftModel, DraftModelDrafter, check_draft_tokenizer
 
     target, tok, other, dtok = pair
@@ -39,7 +39,8 @@ def test_draft_model_output_equals_plain(pair, width, budget, depth):
     for draft, min_tau in ((target, depth + 0.5), (other, 1.0)):  # itself: near K + 1 tokens a pass
         plain, _ = _run(target, tok)
         dc = DraftCache(DraftModel(draft.backbone, vocab))
-        got, last = _run(target, tok, drafter=DraftModelDrafter(dc, budget, width, depth, p_min=0.0))
+        drafter = DraftModelDrafter(dc, budget, width, depth, p_min=0.0, expand=expand)
+        got, last = _run(target, tok, drafter=drafter)
         assert got == plain
         if draft is target and width == 1:
             assert last.tau >= min_tau
@@ -51,9 +52,40 @@ def test_draft_model_output_equals_plain(pair, width, budget, depth):
                 tok,
                 temp=1.0,
                 seed=seed,
-                drafter=DraftModelDrafter(dc, budget, width, depth, p_min=0.0),
+                drafter=DraftModelDrafter(dc, budget, width, depth, p_min=0.0, expand=expand),
             )
             assert got == ref
+
+
+def test_each_depth_expands_as_many_nodes_as_the_device_feeds_cheaply(pair):
+    """expand=1: one node fed per depth (a chain's draft cost), its siblings verified too;
+    expand=width: EAGLE-2's top-k expansion. expand_for reads the calibrated node costs."""
+    from mlx_stream.draft_model import EXPAND_COST, DraftCache, DraftModel, DraftModelDrafter
+
+    target, tok, _, _ = pair
+    ids = tok.encode("The quick brown")
+    for expand, parents_per_depth in ((1, 1), (3, 3)):
+        draft = DraftModel(target.backbone, target.args.vocab_size)
+        drafter = DraftModelDrafter(DraftCache(draft), 40, 3, 4, p_min=0.0, expand=expand)
+        tree, drafts = drafter.propose(None, ids, 4)
+        assert tree.size == 1 + 3 + 3 * 3 * parents_per_depth and drafts.shape == (tree.size - 1,)
+        for d in range(2, 5):  # the nodes of depth d hang under this many depth d-1 nodes
+            parents = {p[:-1] for p in tree.paths if len(p) == d}
+            assert len(parents) == parents_per_depth
+    with pytest.raises(ValueError, match="expand"):
+        DraftModelDrafter(DraftCache(draft), 8, 2, 4, expand=3)
+    assert draft.expand_for(4) == 4  # not measured: EAGLE-2's top-k
+    draft.calibration = {"node_costs": {"2": 1.1, "4": 3.9}}  # 2 nodes nearly free, 4 not
+    assert draft.expand_for(4) == 2 and draft.expand_for(1) == 1
+    draft.calibration = {"node_costs": {"2": 2.0, "4": 4.0}}  # kernels that do not batch
+    assert draft.expand_for(4) == 1 and EXPAND_COST < 2.0
+    from mlx_stream import plan_drafting
+
+    plan = plan_drafting(target, tree="dynamic:16,4", draft_model=draft)
+    assert (plan.budget, plan.width, plan.expand) == (16, 4, 1)
+    assert plan_drafting(target, draft_model=draft, num_draft_tokens=3).expand == 1
+    draft.calibration = None
+    assert plan_drafting(target, tree="dynamic:16,4", draft_model=draft).expand == 4
 
 
 def test_p_min_stops_drafting_where_the_draft_is_unsure(pair):
@@ -265,6 +297,7 @@ def test_calibration_and_self_drafting_choose_by_measurement(pair, tmp_path, mon
     info = calibrate_draft(target, tok, itself)
     # r: the same model timed twice (sub-millisecond forwards, another test worker on the other core)
     assert info["alpha"] == 1.0 and not info["cached"] and 0.25 < info["r"] < 4.0
+    assert set(info["node_costs"]) == {"2", "4"} and all(c > 0 for c in info["node_costs"].values())
     assert calibrate_draft(target, tok, itself)["cached"]
     other_draft = load_draft((other.backbone, dtok), target, tok, calibrate=False)
     assert not calibrate_draft(target, tok, other_draft)[

@@ -1067,13 +1067,13 @@ def calibrate(
         )
     chosen = rows[info.get("best", 0)]
     if chosen.get("node_costs"):
-        from mlx_stream.draft_model import EXPAND_COST
+        from mlx_stream.draft_model import expand_count
 
         costs = ", ".join(f"{n} nodes {c:.2f}x" for n, c in chosen["node_costs"].items())
-        cheap = [int(n) for n, c in chosen["node_costs"].items() if c <= EXPAND_COST]
+        most = expand_count(chosen["node_costs"], 1 << 10)
         typer.echo(
             f"a draft forward over several tree nodes costs, relative to one: {costs}: trees expand "
-            f"{'up to ' + str(max(cheap)) + ' nodes' if cheap else 'one node'} a depth (siblings are free)"
+            f"{'up to ' + str(most) + ' nodes' if most > 1 else 'one node'} a depth (siblings are free)"
         )
     if all(r["depth"] == 0 for r in rows):
         typer.echo(

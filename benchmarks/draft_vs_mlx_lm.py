@@ -142,7 +142,7 @@ def main():
     ap.add_argument("--k", type=int, nargs="*", default=[2, 3], help="mlx-lm's num_draft_tokens")
     ap.add_argument("--chains", type=int, nargs="*", default=None, help="our chains (default: --k)")
     ap.add_argument(
-        "--trees", nargs="*", default=["dynamic:16,4"], help="our trees (adaptive off): dynamic:N,W"
+        "--trees", nargs="*", default=["dynamic:16,4"], help="our trees (adaptive off): dynamic:N,W[,D]"
     )
     ap.add_argument("--prompt-lookup", type=int, default=0, help="ours: prompt lookup beside the draft")
     ap.add_argument("--p-min", type=float, default=None, help="ours: where drafting stops (default: P_MIN)")

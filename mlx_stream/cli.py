@@ -52,7 +52,8 @@ _TREE = typer.Option(
     "--tree",
     help=f"Draft tree: '{AUTO_TREE}' (the heads' candidate that is fastest on this device, measured once), "
     "'sparse', 'chain', 'chain:K', 'none', rank paths like '0;1;0,0;0,0,0', or (eagle heads) "
-    "'dynamic:N[,W]', EAGLE-2's dynamic tree of at most N nodes ('dynamic:auto': N that pays most on this "
+    "'dynamic:N[,W[,D]]', EAGLE-2's dynamic tree of at most N nodes, W children a node, D deep "
+    "('dynamic:auto': N that pays most on this "
     "device), or 'budget' (each step's tree chosen "
     "across the heads, prompt lookup and the datastore by estimated acceptance and this device's "
     "measured costs). Default: the tree stored with the heads (their sampled_tree, if they store "
@@ -77,7 +78,7 @@ _DRAFT_MODEL = typer.Option(
     "--draft-model",
     help="A separate draft model that drafts instead of the heads: any form --model takes, sharing "
     "the target's tokenizer (a smaller model of the family, or a quantized copy: "
-    "`mlx-stream convert -q`). It drafts a tree (--tree dynamic:N[,W] sets its size), or a chain "
+    "`mlx-stream convert -q`). It drafts a tree (--tree dynamic:N[,W[,D]] sets its size), or a chain "
     "with --num-draft-tokens. Guide: docs/drafting.md.",
 )
 _NUM_DRAFT = typer.Option(
@@ -331,7 +332,7 @@ def _check_draft_options(
         raise ValueError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
     if draft_model is not None and tree is not None and not tree.strip().startswith("dynamic:"):
         raise ValueError(
-            f"--tree {tree}: a draft model drafts its own tree; use --tree dynamic:N[,W] to size it "
+            f"--tree {tree}: a draft model drafts its own tree; use --tree dynamic:N[,W[,D]] to size it "
             "or --num-draft-tokens K for a chain"
         )
 

@@ -233,8 +233,9 @@ class DraftModelDrafter:
 
     Args:
         draft: the draft model's :class:`DraftCache` (its weights and its cache).
-        budget: the most nodes per tree, root included (>= 2).
-        width: children per expanded node and nodes expanded per depth (>= 1).
+        budget: the most nodes per tree, root included (>= 2; default
+            :data:`DRAFT_TREE`'s, as width and depth).
+        width: children per expanded node, the most nodes expanded per depth (>= 1).
         depth: the deepest draft (>= 1).
         p_min: stop expanding once the best candidate's cumulative draft probability
             is below this (0: never; default :data:`P_MIN`).
@@ -252,9 +253,9 @@ class DraftModelDrafter:
     def __init__(
         self,
         draft: DraftCache,
-        budget: int = 8,
-        width: int = 2,
-        depth: int = 4,
+        budget: int = DRAFT_TREE[0],
+        width: int = DRAFT_TREE[1],
+        depth: int = DRAFT_TREE[2],
         p_min: float = P_MIN,
         expand: int | None = None,
     ):

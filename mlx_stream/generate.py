@@ -443,8 +443,8 @@ def stream_generate(
             :func:`mlx_stream.load_draft`, or ``load(..., draft_model=SPEC)``, which sets
             ``model.draft_model``, the default here): EAGLE-2's dynamic tree from its
             logits, coupled to the target's draws when sampling
-            (:class:`~mlx_stream.draft_model.DraftModelDrafter`; ``tree="dynamic:N[,W]"``
-            sets its node budget and width). Its KV cache lives in the ``prompt_cache``
+            (:class:`~mlx_stream.draft_model.DraftModelDrafter`; ``tree="dynamic:N[,W[,D]]"``
+            sets its node budget, width and depth). Its KV cache lives in the ``prompt_cache``
             beside the target's, so a chat reuses both. ``False``: the heads draft even
             where ``model.draft_model`` is set.
         num_draft_tokens: the draft model drafts a chain of this many tokens instead

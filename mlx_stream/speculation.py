@@ -47,10 +47,12 @@ def is_budget(spec: TreeSpec) -> bool:
     return isinstance(spec, str) and spec.strip() == BUDGET_TREE
 
 
-def dynamic_spec(spec: TreeSpec) -> tuple[int, int] | None:
-    """``(budget, width)`` of a dynamic-tree spec (``"dynamic:N"`` or ``"dynamic:N,W"``:
-    EAGLE-2's budgeted dynamic tree of at most N nodes, W children per expanded node,
-    default 4; eagle heads only), or ``None`` for any other spec. ``"dynamic:auto[,W]"``
+def dynamic_spec(spec: TreeSpec) -> tuple[int, int, int] | None:
+    """``(budget, width, depth)`` of a dynamic-tree spec (``"dynamic:N"``,
+    ``"dynamic:N,W"`` or ``"dynamic:N,W,D"``: EAGLE-2's budgeted dynamic tree of at most N
+    nodes (its ``total_token``), W children per expanded node (its ``top_k``, default 4),
+    at most D deep (its ``depth``; 0, the default: the heads' depth, or a draft model's
+    calibrated or default depth)), or ``None`` for any other spec. ``"dynamic:auto[,W[,D]]"``
     gives budget 0: N is chosen on this device (:func:`make_drafter`).
 
     Raises:
@@ -64,16 +66,18 @@ def dynamic_spec(spec: TreeSpec) -> tuple[int, int] | None:
             raise ValueError
         parts = body[1:].split(",")
         nums = [0 if parts[0].strip() == "auto" else int(parts[0])] + [int(x) for x in parts[1:]]
-        if len(nums) not in (1, 2) or nums[0] == 1 or nums[0] < 0 or (len(nums) == 2 and nums[1] < 1):
+        if len(nums) not in (1, 2, 3) or nums[0] == 1 or nums[0] < 0 or any(x < 1 for x in nums[1:]):
             raise ValueError
         if nums[0] == 0 and parts[0].strip() != "auto":
             raise ValueError
     except ValueError:
         raise ValueError(
             f"bad dynamic tree spec {spec!r}: use dynamic:N (N >= 2 nodes, root included), "
-            "dynamic:N,W (W >= 1 children per expanded node) or dynamic:auto[,W]"
+            "dynamic:N,W (W >= 1 children per expanded node), dynamic:N,W,D (at most D >= 1 deep) "
+            "or dynamic:auto[,W[,D]]"
         ) from None
-    return nums[0], nums[1] if len(nums) == 2 else 4
+    budget, width, depth = nums + [4, 0][len(nums) - 1 :]
+    return budget, width, depth
 
 
 def check_tree_spec(spec: TreeSpec) -> None:
@@ -88,7 +92,7 @@ def check_tree_spec(spec: TreeSpec) -> None:
         try:
             check_tree_syntax(spec)
         except ValueError as e:
-            raise ValueError(f"{e}; or '{AUTO_TREE}', '{BUDGET_TREE}', 'dynamic:N[,W]'") from None
+            raise ValueError(f"{e}; or '{AUTO_TREE}', '{BUDGET_TREE}', 'dynamic:N[,W[,D]]'") from None
 
 
 def check_prompt_lookup(prompt_lookup: int | None) -> None:
@@ -193,7 +197,8 @@ class DraftPlan:
         kind: ``"none"`` (no heads: prompt lookup alone, or plain decoding),
             ``"static"`` (the heads fill :attr:`tree`), ``"auto"`` (the candidate with
             the best tau / cost here), ``"dynamic"`` (EAGLE-2's dynamic tree of
-            :attr:`budget` nodes, 0: chosen here, :attr:`width` children per node) or
+            :attr:`budget` nodes, 0: chosen here, :attr:`width` children per node,
+            :attr:`depth` deep, 0: the heads' depth) or
             ``"budget"`` (:class:`~mlx_stream.budget.BudgetDrafter`), ``"draft"`` (a
             separate draft model's tree, :class:`~mlx_stream.draft_model.DraftModelDrafter`:
             :attr:`budget` nodes, :attr:`width` children per expanded node,
@@ -294,8 +299,10 @@ def plan_drafting(
                 f"a dynamic tree ({tree!r}) needs eagle heads (an EAGLE-style draft layer); "
                 f"these heads are {heads.config.architecture!r}: use a static tree"
             )
+        if dyn[2] > heads.num_heads:
+            raise ValueError(f"{tree!r} drafts {dyn[2]} deep; these heads draft at most {heads.num_heads}")
         cands = tuple(candidate_trees(heads)) if dyn[0] == 0 else ()
-        return DraftPlan("dynamic", None, cands, dyn[0], dyn[1], **common)
+        return DraftPlan("dynamic", None, cands, dyn[0], dyn[1], depth=dyn[2], **common)
     if is_auto(tree):
         return DraftPlan("auto", None, tuple(candidate_trees(heads)), **common)
     return DraftPlan("static", parse_tree(tree, heads.num_heads), **common)
@@ -325,10 +332,10 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
     budget, width, depth = DRAFT_TREE
     dyn = dynamic_spec(tree)
     if dyn is not None and dyn[0] == 0:
-        raise ValueError(f"{tree!r}: a draft model's tree takes a node budget: dynamic:N[,W]")
+        raise ValueError(f"{tree!r}: a draft model's tree takes a node budget: dynamic:N[,W[,D]]")
     if dyn is not None:  # the size asked for; as deep as measured to pay, else the default depth
-        budget, width = dyn
-        depth = draft.depth or depth
+        budget, width = dyn[:2]
+        depth = dyn[2] or draft.depth or depth
     elif draft.depth is not None:  # measured on this device (mlx_stream.calibrate)
         if draft.depth == 0:
             return DraftPlan("none", **common)  # drafting does not pay here: plain decoding
@@ -336,8 +343,8 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
         width = 2 if budget > depth + 1 else 1
     if tree is not None and dyn is None:
         raise ValueError(
-            f"a draft model drafts its own tree: tree must be None, 'dynamic:N[,W]' (N nodes, W children "
-            f"per expanded node) or num_draft_tokens=K (a chain), got {tree!r}"
+            f"a draft model drafts its own tree: tree must be None, 'dynamic:N[,W[,D]]' (N nodes, W children "
+            f"per expanded node, D deep) or num_draft_tokens=K (a chain), got {tree!r}"
         )
     return DraftPlan(
         "draft",
@@ -407,7 +414,9 @@ def build_drafter(model, plan: DraftPlan, costs=None, draft_cache=None) -> Draft
         if budget == 0:  # the node budget whose best static tree pays most here (EAGLE-2's N from c(N))
             budget = _best_tree(model, plan, costs).size
         drafter = (
-            DynamicTreeDrafter(model, budget, plan.width) if budget >= 2 else EagleDrafter(model, no_drafts())
+            DynamicTreeDrafter(model, budget, plan.width, min(plan.depth, budget - 1) or None)
+            if budget >= 2
+            else EagleDrafter(model, no_drafts())
         )
     else:
         tree = plan.tree if plan.kind == "static" else _best_tree(model, plan, costs)
@@ -484,7 +493,7 @@ def make_drafter(
 
     Args:
         model: a :class:`~mlx_stream.model.SpeculativeModel`.
-        tree: a tree spec (:func:`resolve_tree`), ``"dynamic:N[,W]"`` for EAGLE-2's
+        tree: a tree spec (:func:`resolve_tree`), ``"dynamic:N[,W[,D]]"`` for EAGLE-2's
             dynamic tree (:class:`~mlx_stream.drafters.DynamicTreeDrafter`, eagle heads
             only; ``"dynamic:auto[,W]"``: N is the size of the heads' candidate tree with
             the best tau / cost on this device, :func:`auto_tree`,
@@ -506,7 +515,7 @@ def make_drafter(
             (:class:`~mlx_stream.heads.HeadConfig`).
         draft_model: a :class:`~mlx_stream.draft_model.DraftModel` that drafts instead
             of the heads: its own tree (EAGLE-2's expansion, :data:`~mlx_stream.draft_model.DRAFT_TREE`
-            by default; ``tree="dynamic:N[,W]"`` sets the node budget and width), or a
+            by default; ``tree="dynamic:N[,W[,D]]"`` sets the node budget, width and depth), or a
             chain of ``num_draft_tokens``.
         num_draft_tokens: the draft model drafts a chain of this many tokens (mlx-lm's
             name), as :class:`~mlx_stream.draft_model.DraftModelDrafter` with width 1.

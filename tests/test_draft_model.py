@@ -83,6 +83,7 @@ def test_each_depth_expands_as_many_nodes_as_the_device_feeds_cheaply(pair):
 
     plan = plan_drafting(target, tree="dynamic:16,4", draft_model=draft)
     assert (plan.budget, plan.width, plan.expand) == (16, 4, 1)
+    assert plan_drafting(target, tree="dynamic:16,4,2", draft_model=draft).depth == 2  # EAGLE-2's depth
     assert plan_drafting(target, draft_model=draft, num_draft_tokens=3).expand == 1
     draft.calibration = None
     assert plan_drafting(target, tree="dynamic:16,4", draft_model=draft).expand == 4

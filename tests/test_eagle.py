@@ -313,11 +313,20 @@ def test_dynamic_tree_specs_are_checked(eagle, tiny_dir):
         "dynamic:0",
         "dynamic:8,0",
         "dynamic:x",
-        "dynamic:4,2,1",
+        "dynamic:4,2,0",
+        "dynamic:4,2,1,1",
         "dynamic:auto,0",
     ):
         with pytest.raises(ValueError, match="dynamic tree spec"):
             check_tree_spec(bad)
+    from mlx_stream.speculation import dynamic_spec
+
+    assert dynamic_spec("dynamic:8") == (8, 4, 0) and dynamic_spec("dynamic:auto,3,2") == (0, 3, 2)
+    assert make_drafter(model, "dynamic:8,2,2", prompt_lookup=0).depth == 2  # EAGLE-2's depth
+    assert make_drafter(model, "dynamic:3,2,2", prompt_lookup=0).depth == 2
+    assert make_drafter(model, "dynamic:8,2", prompt_lookup=0).depth == K
+    with pytest.raises(ValueError, match=f"at most {K}"):
+        make_drafter(model, f"dynamic:8,2,{K + 1}")
     with pytest.raises(ValueError, match="static tree"):
         resolve_tree(model, "dynamic:8")
     from mlx_stream.drafters import DynamicTreeDrafter

@@ -23,6 +23,7 @@ first; ``--summarize`` merges their ``--out`` files (a prompt run twice counts o
 
     python benchmarks/draft_vs_mlx_lm.py --draft /tmp/smol-q3 --per-category 8 --max-tokens 128
     python benchmarks/draft_vs_mlx_lm.py --draft /tmp/smol-q3 --temp 0 0.7 --shard 0/2 --out a.json --resume
+    python benchmarks/draft_vs_mlx_lm.py --draft /tmp/smol-q3 --k 2 --trees dynamic:16,4,2@0 dynamic:16,4
     python benchmarks/draft_vs_mlx_lm.py --summarize a.json b.json
 """
 
@@ -103,6 +104,11 @@ def _our_cache(model, ids, target_cache, draft_cache):
     return cache
 
 
+def _tree_config(spec: str) -> dict:
+    tree, _, p = spec.partition("@")
+    return {"tree": tree, "adaptive": False} | ({"p_min": float(p)} if p else {})
+
+
 def summarize(rows: list[dict]) -> dict:
     """Medians per temperature and configuration over ``rows`` (one per prompt and temperature)."""
     summary = {}
@@ -142,7 +148,10 @@ def main():
     ap.add_argument("--k", type=int, nargs="*", default=[2, 3], help="mlx-lm's num_draft_tokens")
     ap.add_argument("--chains", type=int, nargs="*", default=None, help="our chains (default: --k)")
     ap.add_argument(
-        "--trees", nargs="*", default=["dynamic:16,4"], help="our trees (adaptive off): dynamic:N,W[,D]"
+        "--trees",
+        nargs="*",
+        default=["dynamic:16,4"],
+        help="our trees (adaptive off): dynamic:N,W[,D], each optionally @P: drafting stops below p_min P",
     )
     ap.add_argument("--prompt-lookup", type=int, default=0, help="ours: prompt lookup beside the draft")
     ap.add_argument("--p-min", type=float, default=None, help="ours: where drafting stops (default: P_MIN)")
@@ -175,7 +184,7 @@ def main():
     shard, shards = (int(x) for x in a.shard.split("/"))
 
     model, tok = load(a.model, heads="none", dtype="float32", draft_model=a.draft, draft_p_min=a.p_min)
-    target, draft = model.backbone, model.draft_model.backbone
+    target, draft, p_min = model.backbone, model.draft_model.backbone, model.draft_model.p_min
     texts, groups = select_prompts(a.prompts, a.limit, a.per_category)
     # the categories in turn (the first of each, then the second, ...), so that a run stopped
     # part way has measured every category
@@ -186,7 +195,7 @@ def main():
         [("mlx-lm plain", {})]
         + [(f"mlx-lm draft K={k}", {"k": k}) for k in a.k]
         + [("mlx-stream as shipped", {})]
-        + [(f"mlx-stream tree {t}", {"tree": t, "adaptive": False}) for t in a.trees]
+        + [(f"mlx-stream tree {t}", _tree_config(t)) for t in a.trees]
         + [(f"mlx-stream chain K={k}", {"num_draft_tokens": k, "adaptive": False}) for k in chains]
     )
 
@@ -198,6 +207,8 @@ def main():
                 return _mlx_lm(target, tok, ids, n, sampler, seed, cache, draft, c["k"])
             return _mlx_lm(target, tok, ids, n, sampler, seed, _copy(target_cache, KVCache))
         cache = _our_cache(model, ids, target_cache, draft_cache)
+        c = dict(c)
+        model.draft_model.p_min = c.pop("p_min", p_min)
         return _ours(model, tok, ids, n, temp, seed, cache, prompt_lookup=a.prompt_lookup, **c)
 
     warm = prompt_ids(tok, "Hello")  # one-time costs hit no measurement

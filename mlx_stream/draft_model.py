@@ -156,15 +156,20 @@ class DraftCache:
     common prefix with the sequence it is given and prefills the rest, so after any
     step (drafts accepted, rejected or all accepted), a new turn of a chat, or another
     prompt, it holds exactly the tokens given, as a fresh prefill of them would.
-    Speculative entries written while drafting a tree are dropped (:meth:`rewind`)
-    before the step is verified.
+    The speculative entries a tree step writes (:meth:`forward`) stay until the next
+    :meth:`sync`, which keeps those on the path the target accepted (their keys and
+    values are what a prefill of the accepted tokens would write: each entry saw the
+    context, its ancestors and itself) and drops the rest, as mlx-lm trims its draft
+    cache: a step then feeds the draft only the tokens it has not seen (the target's
+    own token, and an accepted leaf), not every accepted draft again.
 
     Args:
         draft: the :class:`DraftModel`.
 
     Attributes:
         layers: one :class:`~mlx_stream.cache.TreeKVCache` per layer of the draft.
-        tokens: the tokens whose keys/values ``layers`` hold, in order.
+        tokens: the tokens whose keys/values ``layers`` hold, in order, before any
+            speculative entries.
     """
 
     def __init__(self, draft: DraftModel):
@@ -173,17 +178,26 @@ class DraftCache:
         self.draft = draft
         self.layers = make_tree_cache(draft.backbone)
         self.tokens: list[int] = []
+        self._pending: list[tuple[mx.array, mx.array]] = []  # (parent entry, token) per forward
 
     def sync(self, tokens: Sequence[int], step_size: int = 2048) -> mx.array:
-        """Make the cache hold exactly ``tokens`` (reusing its common prefix with them,
-        at least one token fed) and return the ``(vocab,)`` logits after the last, lazy."""
+        """Make the cache hold exactly ``tokens`` (reusing its common prefix with them and
+        the speculative entries on their path, at least one token fed) and return the
+        ``(vocab,)`` logits after the last, lazy."""
         from .cache import trim_cache
 
         d = self.draft
         n, limit = 0, min(len(self.tokens), len(tokens) - 1)
         while n < limit and self.tokens[n] == tokens[n]:
             n += 1
-        trim_cache(self.layers, n)
+        if n == len(self.tokens) and self._pending:
+            path = self._accepted_path(tokens[n : len(tokens) - 1])
+            for c in self.layers:
+                c.keep(n, path)  # the accepted entries into slots n.., the rest dropped
+            n += len(path)
+        else:
+            trim_cache(self.layers, n)
+        self._pending = []
         rest = list(tokens[n:])
         for i in range(0, len(rest), step_size):
             h, _ = d.family.prefill_hidden(d.backbone, mx.array(rest[i : i + step_size]), self.layers)
@@ -192,11 +206,32 @@ class DraftCache:
         self.tokens = list(tokens)
         return d.family.project(d.backbone, h[-1])[: d.vocab]
 
-    def forward(self, tokens: mx.array, positions: mx.array, mask: mx.array) -> mx.array:
+    def _accepted_path(self, tokens: Sequence[int]) -> list[int]:
+        parents = mx.concatenate([p for p, _ in self._pending]).tolist()
+        toks = mx.concatenate([t for _, t in self._pending]).tolist()
+        children: dict[tuple[int, int], int] = {}
+        for e, key in enumerate(zip(parents, toks)):
+            children.setdefault(key, e)
+        path, cur = [], -1
+        for t in tokens:
+            cur = children.get((cur, int(t)), -2)
+            if cur == -2:
+                break
+            path.append(cur)
+        return path
+
+    def forward(
+        self, tokens: mx.array, positions: mx.array, mask: mx.array, parents: mx.array | None = None
+    ) -> mx.array:
         """``(n, vocab)`` logits of ``n`` speculative entries (``(n,)`` tokens at
-        ``(n,)`` positions) written after what the cache holds; ``mask`` ``(n, held + n)``."""
+        ``(n,)`` positions) written after what the cache holds (:attr:`tokens` and the
+        ``E`` entries written since); ``mask`` ``(n, len(tokens) + E + n)``; ``parents``
+        ``(n,)``: each entry's parent entry (0..E-1, or -1: the last of :attr:`tokens`),
+        so that :meth:`sync` can keep the accepted ones (None: never kept)."""
         d = self.draft
         h, _ = d.family.tree_hidden(d.backbone, tokens, positions, mask, self.layers)
+        n = tokens.shape[0]
+        self._pending.append((mx.full((n,), -3, dtype=mx.int32) if parents is None else parents, tokens))
         return d.family.project(d.backbone, h)[:, : d.vocab]
 
     def rewind(self) -> None:
@@ -204,6 +239,7 @@ class DraftCache:
         from .cache import trim_cache
 
         trim_cache(self.layers, len(self.tokens))
+        self._pending = []
 
 
 class DraftModelDrafter:
@@ -211,7 +247,8 @@ class DraftModelDrafter:
     expansion and reranking of EAGLE-2, Li et al. 2024b, sec. 4, with a draft model).
 
     Each step the draft model's cache is brought to the context (:meth:`DraftCache.sync`,
-    one forward over the tokens accepted since the last step and the root), then the tree
+    keeping the entries the last step wrote on the accepted path, one forward over the
+    accepted tokens it has not seen and the root), then the tree
     grows one depth per batched draft forward: depth 1 holds the root's ``width`` most
     likely children; at each deeper depth the ``expand`` candidates of highest cumulative
     draft log-probability are fed together (each attends to the context, its ancestors
@@ -311,7 +348,8 @@ class DraftModelDrafter:
                 [mx.ones((n, held), dtype=mx.bool_), rows, mx.eye(n, dtype=mx.bool_)], axis=1
             )
             pos = mx.full((n,), held + d - 2, dtype=mx.int32)
-            lp = self._log_probs(self.draft.forward(toks[-1][sel], pos, mask), d, noise)  # (n, V)
+            fed = self.draft.forward(toks[-1][sel], pos, mask, level_entry[sel])
+            lp = self._log_probs(fed, d, noise)  # (n, V)
             top = _topk(lp, k)  # (n, k)
             toks.append(top.reshape(-1))
             vals.append((vals[-1][sel][:, None] + mx.take_along_axis(lp, top, axis=-1)).reshape(-1))
@@ -320,7 +358,6 @@ class DraftModelDrafter:
             level0 += vals[-2].shape[0]
             level_entry = mx.repeat(E + mx.arange(n, dtype=mx.int32), k)
         toks, vals, pars, rks = (mx.concatenate(a) for a in (toks, vals, pars, rks))
-        mx.eval(toks, vals, pars, rks)
-        self.draft.rewind()
+        mx.eval(toks, vals, pars, rks)  # the speculative entries stay: the next sync keeps the accepted
         tree, order = reranked_tree(self._trees, vals, pars, rks, self.budget)
         return tree, toks[order].astype(mx.int32)

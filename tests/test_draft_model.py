@@ -129,6 +129,55 @@ def test_draft_cache_matches_a_fresh_prefill(pair):
         assert mx.allclose(got, fresh, atol=1e-4).item()
 
 
+def _draft_tree(dc, held, a, b):
+    # two depths of a tree after `held` tokens: entries 0, 1 = a[0], b[0] (children of the
+    # last token), entries 2, 3 = a[1] (child of entry 0), b[1] (child of entry 1)
+    i32 = lambda x: mx.array(x, dtype=mx.int32)  # noqa: E731
+    one = mx.ones((2, held), dtype=mx.bool_)
+    dc.forward(
+        i32([a[0], b[0]]),
+        i32([held, held]),
+        mx.concatenate([one, mx.eye(2, dtype=mx.bool_)], 1),
+        i32([-1, -1]),
+    )
+    seen = mx.concatenate([mx.eye(2, dtype=mx.bool_), mx.eye(2, dtype=mx.bool_)], 1)
+    dc.forward(i32([a[1], b[1]]), i32([held + 1] * 2), mx.concatenate([one, seen], 1), i32([0, 1]))
+
+
+def test_draft_cache_keeps_the_accepted_path_of_its_speculative_entries(pair):
+    """After a tree step the draft's entries on the accepted path are kept, not fed again
+    (as mlx-lm trims its draft cache), and its next logits still equal a fresh prefill's,
+    whichever branch, depth or divergence the target accepted."""
+    from mlx_stream.draft_model import DraftCache, DraftModel
+
+    target, tok, other, _ = pair
+    dm = DraftModel(other.backbone, target.args.vocab_size)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    x, y = ids[20], ids[21]
+    contexts = (
+        ids[:12],  # both depths of the first branch accepted, then the target's token
+        ids[:8] + [x, y, ids[3]],  # the second branch, both depths
+        ids[:8] + [x, ids[5]],  # the second branch, one depth
+        ids[:8] + [ids[5], ids[6]],  # nothing accepted
+        ids[:6] + [x],  # a shorter context (another prompt)
+    )
+    for ctx in contexts:
+        dc = DraftCache(dm)
+        dc.sync(ids[:8])
+        _draft_tree(dc, 8, ids[8:10], [x, y])
+        got = dc.sync(ctx)
+        assert dc.layers[0].offset == len(ctx) and dc.tokens == ctx
+        assert mx.allclose(got, DraftCache(dm).sync(ctx), atol=1e-4).item(), ctx
+    # the kept entries are the ones the tree step wrote (moved, not computed again)
+    dc = DraftCache(dm)
+    dc.sync(ids[:8])
+    _draft_tree(dc, 8, ids[8:10], [x, y])
+    layer = dc.layers[-1]
+    layer.keys[..., 8 + 3, :] = 7.0  # entry 3 (y after x), marked
+    dc.sync(ids[:8] + [x, y, ids[3]])
+    assert (layer.keys[..., 8 + 1, :] == 7.0).all().item()  # now the slot after x
+
+
 def test_a_draft_with_another_tokenizer_is_refused(pair, tmp_path):
     from mlx_stream import load
     from mlx_stream.draft_model import check_draft_tokenizer

@@ -8,7 +8,8 @@ this device, adaptive speculation on), and with adaptive speculation off, a tree
 (``--trees``) and a chain of each ``--chains`` K, so that tokens per target forward
 compare the drafting itself. Each ``--temp`` runs every configuration on the prompt
 before the next prompt. Reported per configuration and temperature: the median speed
-relative to plain mlx-lm (generation tokens/s, prefill excluded, as mlx-lm reports it),
+relative to plain mlx-lm (decode tokens/s, prefill excluded, both timed by one stopwatch:
+:func:`mlx_stream.bench.timed_tokens`),
 and tokens per target forward (for mlx-lm: tokens emitted / tokens not from the draft,
 one per verifying forward). Greedy output must equal plain mlx-lm's.
 
@@ -42,6 +43,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_stream import PromptCache, load, stream_generate
+from mlx_stream.bench import timed_tokens
 from mlx_stream.cache import TreeKVCache
 from mlx_stream.draft_model import DraftCache
 from mlx_stream.prompts import prompt_ids, select_prompts
@@ -73,31 +75,39 @@ def _copy(caches, cls):
 def _mlx_lm(target, tok, ids, max_tokens, sampler, seed, cache, draft=None, k=None):
     mx.random.seed(seed)
     kw = {"draft_model": draft, "num_draft_tokens": k} if draft is not None else {}
-    out, from_draft, tps = [], 0, 0.0
-    for r in mlx_lm.stream_generate(
-        target, tok, mx.array(ids[-1:]), max_tokens=max_tokens, sampler=sampler, prompt_cache=cache, **kw
-    ):
-        if r.token in tok.eos_token_ids:
-            break
-        out.append(r.token)
-        from_draft += bool(getattr(r, "from_draft", False))
-        tps = r.generation_tps
-    return out, tps, len(out) / max(len(out) - from_draft, 1)
+    eos, from_draft = set(tok.eos_token_ids), [0]
+
+    def tokens(r):
+        if r.token in eos:
+            return []
+        from_draft[0] += bool(getattr(r, "from_draft", False))
+        return [r.token]
+
+    out, tps, _ = timed_tokens(
+        mlx_lm.stream_generate(
+            target, tok, mx.array(ids[-1:]), max_tokens=max_tokens, sampler=sampler, prompt_cache=cache, **kw
+        ),
+        tokens,
+    )
+    return out, tps, len(out) / max(len(out) - from_draft[0], 1)
 
 
 def _ours(model, tok, ids, max_tokens, temp, seed, cache=None, **kw):
-    out, last = [], None
-    for last in stream_generate(
-        model, tok, ids, max_tokens=max_tokens, temp=temp, seed=seed, prompt_cache=cache, **kw
-    ):
-        out.extend(last.tokens)
-    return out, last.generation_tps, last.tau
+    out, tps, last = timed_tokens(
+        stream_generate(
+            model, tok, ids, max_tokens=max_tokens, temp=temp, seed=seed, prompt_cache=cache, **kw
+        ),
+        lambda r: r.tokens,
+    )
+    return out, tps, last.tau
 
 
 def _our_cache(model, ids, target_cache, draft_cache):
     cache = PromptCache(model)
     cache.layers[:] = _copy(target_cache, TreeKVCache)
     cache.tokens = list(ids[:-1])
+    if draft_cache is None:  # the drafter will not read it
+        return cache
     cache.draft = DraftCache(model.draft_model)
     cache.draft.layers = _copy(draft_cache, TreeKVCache)
     cache.draft.tokens = list(ids[:-1])
@@ -200,19 +210,26 @@ def main():
     )
 
     def run(name, c, ids, n, temp, seed, target_cache, draft_cache):
+        # draft_cache(): the draft's prompt cache, prefilled on first use (a 3-bit draft's
+        # prefill is slow here, and a plain or as-shipped-plain configuration needs none)
         if name.startswith("mlx-lm"):
             sampler = make_sampler(temp=temp) if temp > 0 else None
             if "k" in c:
-                cache = _copy(target_cache, KVCache) + _copy(draft_cache, KVCache)
+                cache = _copy(target_cache, KVCache) + _copy(draft_cache(), KVCache)
                 return _mlx_lm(target, tok, ids, n, sampler, seed, cache, draft, c["k"])
             return _mlx_lm(target, tok, ids, n, sampler, seed, _copy(target_cache, KVCache))
-        cache = _our_cache(model, ids, target_cache, draft_cache)
+        plain = name == "mlx-stream as shipped" and not model.draft_model.depth  # calibrated not to pay
+        cache = _our_cache(model, ids, target_cache, None if plain else draft_cache())
         c = dict(c)
         model.draft_model.p_min = c.pop("p_min", p_min)
         return _ours(model, tok, ids, n, temp, seed, cache, prompt_lookup=a.prompt_lookup, **c)
 
+    def lazy(f):
+        held = []
+        return lambda: held[0] if held else held.append(f()) or held[0]
+
     warm = prompt_ids(tok, "Hello")  # one-time costs hit no measurement
-    warm_caches = _prefill(target, warm[:-1]), _prefill(draft, warm[:-1])
+    warm_caches = _prefill(target, warm[:-1]), lazy(lambda: _prefill(draft, warm[:-1]))
     for temp in a.temp:
         for name, c in configs:
             run(name, c, warm, 8, temp, 0, *warm_caches)
@@ -229,7 +246,8 @@ def main():
         if all((i, t) in done for t in a.temp):
             continue
         ids = prompt_ids(tok, texts[i])
-        target_cache, draft_cache = _prefill(target, ids[:-1]), _prefill(draft, ids[:-1])
+        target_cache = _prefill(target, ids[:-1])
+        draft_cache = lazy(lambda ids=ids: _prefill(draft, ids[:-1]))
         for temp in a.temp:
             if (i, temp) in done:
                 continue

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from .prompts import prompt_ids
 
 @dataclass
 class PromptResult:
-    """One prompt's side-by-side result. Speeds are generation tokens/s (prefill excluded)."""
+    """One prompt's side-by-side result. Speeds are decode tokens/s, prefill excluded, both
+    sides timed alike (:func:`timed_tokens`)."""
 
     prompt: int
     tokens: int
@@ -33,7 +35,41 @@ class PromptResult:
 
     @property
     def speedup(self) -> float:
-        return self.spec_tps / self.plain_tps
+        # an answer of one token decodes nothing: neither side is faster
+        return self.spec_tps / self.plain_tps if self.plain_tps and self.spec_tps else 1.0
+
+
+def timed_tokens(
+    responses: Iterable, tokens: Callable, clock: Callable[[], float] = time.perf_counter
+) -> tuple[list[int], float, object]:
+    """Consume a stream of generation responses with one stopwatch for every decoder.
+
+    mlx-lm's ``generation_tps`` and ours count differently where a generation ends at
+    EOS (mlx-lm's last rate before its EOS response leaves out the EOS step, which ours
+    includes), which biases a ratio of the two by about one step per prompt. Here both are
+    timed alike: from the arrival of the first response to that of the last (the step
+    that found EOS, or the token at ``max_tokens``), over the tokens after the first
+    response's.
+
+    Args:
+        responses: an iterator of responses (``mlx_lm.stream_generate``'s or ours).
+        tokens: ``f(response) -> list[int]`` the tokens a response delivers (EOS left out).
+        clock: seconds, read as each response arrives.
+
+    Returns:
+        ``(tokens, decode tokens/s, last response)``; the speed is 0.0 when fewer than two
+        responses arrive or no token follows the first response's.
+    """
+    out, first, last, last_t, n_first = [], None, None, 0.0, 0
+    for last in responses:
+        last_t = clock()
+        got = tokens(last)
+        if first is None:
+            first, n_first = last_t, len(got)
+        out.extend(got)
+    after = len(out) - n_first
+    rate = after / (last_t - first) if first is not None and after > 0 and last_t > first else 0.0
+    return out, rate, last
 
 
 @dataclass
@@ -113,27 +149,28 @@ def compare(
         pass
     for _ in stream_generate(model, tokenizer, warm, **(decoding.kwargs() | {"max_tokens": 8})):
         pass
+    eos = set(tokenizer.eos_token_ids)
+
+    def not_eos(r):
+        return [] if r.token in eos else [r.token]
+
     results = []
     for i, p in zip(indices if indices is not None else range(len(prompts)), prompts):
         ids = prompt_ids(tokenizer, p)
-        ref, plain_tps = [], 0.0
         mx.random.seed(seed + i)
-        for r in mlx_lm.stream_generate(
-            model, tokenizer, mx.array(ids), max_tokens=decoding.max_tokens, sampler=sampler
-        ):
-            if r.token in tokenizer.eos_token_ids:
-                break
-            ref.append(r.token)
-            plain_tps = r.generation_tps
-        drafter = make_drafter(ids, ref) if make_drafter else None
-        got, last = [], None
-        for last in stream_generate(
-            model, tokenizer, ids, drafter=drafter, seed=seed + i, **decoding.kwargs()
-        ):
-            got.extend(last.tokens)
-        res = PromptResult(
-            i, len(got), plain_tps, last.generation_tps, last.tau, got == ref if decoding.greedy else None
+        ref, plain_tps, _ = timed_tokens(
+            mlx_lm.stream_generate(
+                model, tokenizer, mx.array(ids), max_tokens=decoding.max_tokens, sampler=sampler
+            ),
+            not_eos,
         )
+        drafter = make_drafter(ids, ref) if make_drafter else None
+        got, spec_tps, last = timed_tokens(
+            stream_generate(model, tokenizer, ids, drafter=drafter, seed=seed + i, **decoding.kwargs()),
+            lambda r: r.tokens,
+        )
+        same = got == ref if decoding.greedy else None
+        res = PromptResult(i, len(got), plain_tps, spec_tps, last.tau, same)
         results.append(res)
         if progress:
             progress(res)

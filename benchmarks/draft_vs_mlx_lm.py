@@ -31,6 +31,7 @@ first; ``--summarize`` merges their ``--out`` files (a prompt run twice counts o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -224,12 +225,8 @@ def main():
         model.draft_model.p_min = c.pop("p_min", p_min)
         return _ours(model, tok, ids, n, temp, seed, cache, prompt_lookup=a.prompt_lookup, **c)
 
-    def lazy(f):
-        held = []
-        return lambda: held[0] if held else held.append(f()) or held[0]
-
     warm = prompt_ids(tok, "Hello")  # one-time costs hit no measurement
-    warm_caches = _prefill(target, warm[:-1]), lazy(lambda: _prefill(draft, warm[:-1]))
+    warm_caches = _prefill(target, warm[:-1]), functools.cache(lambda: _prefill(draft, warm[:-1]))
     for temp in a.temp:
         for name, c in configs:
             run(name, c, warm, 8, temp, 0, *warm_caches)
@@ -247,7 +244,7 @@ def main():
             continue
         ids = prompt_ids(tok, texts[i])
         target_cache = _prefill(target, ids[:-1])
-        draft_cache = lazy(lambda ids=ids: _prefill(draft, ids[:-1]))
+        draft_cache = functools.cache(lambda ids=ids: _prefill(draft, ids[:-1]))
         for temp in a.temp:
             if (i, temp) in done:
                 continue

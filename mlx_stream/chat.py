@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 
-from .checks import kind, require_tokenizer
+from .checks import kind, require_tokenizer, require_unicode
 from .generate import GenerationResponse, PromptCache, check_generation, stream_generate
 from .model import require_model
 from .sampling import SamplingParams
@@ -41,6 +41,8 @@ class ChatSession:
         require_tokenizer(tokenizer)
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str or None, got {kind(system)}")
+        if system is not None:
+            require_unicode(system, "the system prompt")
         known = set(inspect.signature(stream_generate).parameters) - {"model", "tokenizer", "prompt"}
         unknown = sorted(set(generation) - known - {"prompt_cache"})
         if unknown or "prompt_cache" in generation:
@@ -63,6 +65,7 @@ class ChatSession:
         self.base = [{"role": "system", "content": system}] if system else []
         self.messages: list[dict] = list(self.base)
         self.cache = PromptCache(model, generation.get("max_kv_size"))
+        self._turn = None  # the reply being streamed: settled before the next turn
 
     def prompt(self) -> str:
         """The transcript through the chat template, ready for the assistant's turn."""
@@ -72,13 +75,33 @@ class ChatSession:
         """Add a user turn and stream the reply; the reply joins the transcript when the
         stream ends, also when the caller stops early (what was streamed is kept).
 
+        A reply the caller stopped iterating without closing it is settled (closed, its
+        streamed part joining the transcript) by the next :meth:`send` or :meth:`reset`,
+        so the transcript always alternates user and assistant turns.
+
         A ``KeyboardInterrupt`` inside a decoding step (which may leave the cache half
         updated) clears the cache before it propagates; the next turn recomputes it.
         A ``ValueError`` (bad parameters, a transcript longer than the context window)
         removes the user turn again before it propagates.
+
+        Raises:
+            TypeError: ``text`` is not a str (at the call, before any iteration).
+            ValueError: ``text`` is not valid Unicode (at the call); see above.
         """
         if not isinstance(text, str):
             raise TypeError(f"a chat turn's text must be a str, got {kind(text)}")
+        require_unicode(text, "a chat turn's text")
+        self._settle()
+        self._turn = self._reply(text, overrides)
+        return self._turn
+
+    def _settle(self) -> None:
+        # closing a suspended reply runs its `finally`: the part streamed joins the transcript
+        if self._turn is not None:
+            self._turn.close()
+            self._turn = None
+
+    def _reply(self, text: str, overrides: dict) -> Iterator[GenerationResponse]:
         self.messages.append({"role": "user", "content": text})
         reply: list[str] = []
         failed = False
@@ -105,5 +128,6 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and clear the cache."""
+        self._settle()
         self.messages = list(self.base)
         self.cache.reset()

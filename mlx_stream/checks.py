@@ -5,6 +5,7 @@ with a ``TypeError``/``ValueError`` that names the accepted forms, rather than a
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 
@@ -108,3 +109,34 @@ def check_p_min(p_min) -> None:
     require_number(p_min, "p_min")
     if not 0.0 <= p_min < 1.0:
         raise ValueError(f"p_min must be in [0, 1) (0: draft to the full depth), got {p_min}")
+
+
+def require_unicode(text: str, name: str) -> None:
+    """``text`` must encode as UTF-8: no lone surrogates (what Python makes of bytes that
+    are not UTF-8 when it decodes them with ``errors="surrogateescape"``, as it does for
+    command-line arguments). The tokenizer would fail on them with a ``TypeError`` that
+    names neither the text nor the fix.
+
+    Raises:
+        ValueError: a lone surrogate; the message names where it is and how to clean it.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{name} is not valid Unicode text: {e.reason} {text[e.start]!r} at character {e.start} "
+            "(bytes that are not UTF-8?); decode bytes with errors='replace' first"
+        ) from None
+
+
+def replace_invalid_utf8(text: str) -> tuple[str, int]:
+    """``text`` with every lone surrogate (a byte that was not UTF-8, as Python's
+    ``surrogateescape`` hands it over in ``sys.argv``) replaced by U+FFFD, and how many were.
+
+    Returns:
+        ``(clean_text, replaced)``; ``replaced`` is 0 when ``text`` was valid.
+    """
+    return _SURROGATE.subn("\ufffd", text)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -126,6 +126,11 @@ class DecodeOptions:
     draft_model: str | None = None
     num_draft_tokens: int | None = None
     draft_p_min: float | None = None
+    adaptive: bool | None = None
+
+    def __post_init__(self):
+        if self.system is not None:
+            self.system = _utf8_text(self.system, "--system")
 
     def generation(self, max_tokens: int) -> dict:
         """Keyword arguments of :func:`mlx_stream.stream_generate`, checked before anything
@@ -160,6 +165,7 @@ class DecodeOptions:
             "kv_group_size": self.kv_group_size,
             "quantized_kv_start": self.quantized_kv_start,
             "num_draft_tokens": self.num_draft_tokens,
+            "adaptive": self.adaptive,
         }
 
     def load(self):
@@ -260,6 +266,17 @@ _DECODE_OPTIONS = [
     _option("draft_model", str | None, _DRAFT_MODEL),
     _option("num_draft_tokens", int | None, _NUM_DRAFT),
     _option("draft_p_min", float | None, _DRAFT_P_MIN),
+    _option(
+        "adaptive",
+        bool | None,
+        typer.Option(
+            None,
+            "--adaptive/--no-adaptive",
+            help="Adaptive speculation: decode plainly while drafts do not pay (measured as it runs; "
+            "the output is the same either way). Default: on, off with --num-draft-tokens (a chain "
+            "drafted at every step, as mlx-lm's).",
+        ),
+    ),
 ]
 
 
@@ -287,6 +304,23 @@ def _decode_options(command):
 def _fail(msg: str):
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(2)
+
+
+def _utf8_text(text: str, what: str) -> str:
+    # bytes that are not UTF-8 (in argv they arrive as lone surrogates) become U+FFFD, as `chat`
+    # does for what is typed, with one line saying so; the library refuses such text instead
+    from mlx_stream.checks import replace_invalid_utf8
+
+    text, replaced = replace_invalid_utf8(text)
+    if replaced:
+        typer.echo(f"note: {what}: {replaced} byte(s) that are not UTF-8 replaced with U+FFFD", err=True)
+    return text
+
+
+def _read_stdin() -> str:
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")  # counted and replaced by _utf8_text
+    return sys.stdin.read()
 
 
 def _learn(flag: bool | None) -> bool:
@@ -375,32 +409,22 @@ def generate(
 
     Guide: docs/cli.md (drafting: docs/drafting.md, sampling: docs/sampling.md)
     """
-    from mlx_stream.generate import encode_prompt, stream_generate
+    from mlx_stream.generate import stream_generate
+    from mlx_stream.prompt_cache import prompt_after_cache
 
+    if raw and opts.system is not None:
+        _fail("--system fills the chat template's system turn: leave out --raw, or put it in the prompt")
     settings = opts.generation(max_tokens)
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    stop = [s.replace("\\n", "\n").replace("\\t", "\t") for s in stop]  # as mlx-lm's prompt: "\n" typed
+    prompt = _utf8_text(_read_stdin() if prompt == "-" else prompt, "the prompt")
+    # as mlx-lm's prompt: "\n" typed
+    stop = [_utf8_text(s, "--stop").replace("\\n", "\n").replace("\\t", "\t") for s in stop]
     _blas_hint()
     m, tok = opts.load()
     cache = opts.prompt_cache(m, tok)
-    text = prompt
-    if not raw and tok.chat_template is not None:
-        msgs = ([{"role": "system", "content": opts.system}] if opts.system else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    if cache is not None:
-        full = encode_prompt(tok, text)
-        known = [t for t in cache.tokens if t != -1]
-        if known and full[: len(known)] == known:
-            text = full  # the prompt starts with the cached tokens (a cached system prompt): reused
-        else:  # as mlx_lm.generate: the prompt continues the cached one (an open user turn)
-            if not raw and tok.chat_template is not None:
-                msgs[-1]["content"] = "<query>"
-                test = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-                text = text[test.index("<query>") :]
-            text = known + tok.encode(text, add_special_tokens=False)
+    try:
+        text, _ = prompt_after_cache(tok, cache, prompt, opts.system, raw)
+    except ValueError as e:
+        _fail(f"{opts.prompt_cache_file}: {e}")
     pieces, tokens, lps, last = [], [], [], None
     try:
         for last in stream_generate(m, tok, text, stop=stop, prompt_cache=cache, **settings):
@@ -446,17 +470,25 @@ def chat(
     Guide: docs/cli.md (drafting: docs/drafting.md, sampling: docs/sampling.md)
     """
     from mlx_stream.chat import ChatSession
+    from mlx_stream.prompt_cache import chat_system_for_cache
     from mlx_stream.repl import run_chat
 
     settings = opts.generation(max_tokens)
     _blas_hint()
     m, tok = opts.load()
+    if tok.chat_template is None:
+        _fail(f"{opts.model}: this model has no chat template; use `mlx-stream generate --raw`")
+    cache, system = opts.prompt_cache(m, tok), opts.system
+    if cache is not None:  # the conversation must start with its tokens (and its system prompt)
+        try:
+            system = chat_system_for_cache(tok, cache, system)
+        except ValueError as e:
+            _fail(f"{opts.prompt_cache_file}: {e}")
     try:
-        session = ChatSession(m, tok, system=opts.system, **settings)
+        session = ChatSession(m, tok, system=system, **settings)
     except ValueError as e:
-        _fail(f"{opts.model}: {e} (`mlx-stream generate --raw`)")
-    cache = opts.prompt_cache(m, tok)
-    if cache is not None:  # reused where the conversation starts with its tokens
+        _fail(str(e))
+    if cache is not None:
         session.cache = cache
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 typed or piped in is not fatal
@@ -483,29 +515,26 @@ def cache_prompt_command(
 
     Guide: docs/memory.md
     """
-    from mlx_stream.prompt_cache import cache_prompt, save_prompt_cache
+    from mlx_stream.prompt_cache import cache_prompt, cached_prompt_text, save_prompt_cache
 
     if prompt is None and system is None:
         _fail("give --prompt, --system or both")
     if not out.endswith(".safetensors"):
         _fail(f"{out}: a prompt cache file name ends in .safetensors")
     _check_out(out, folder=False)
-    if prompt == "-":
-        prompt = sys.stdin.read()
+    if prompt is not None:
+        prompt = _utf8_text(_read_stdin() if prompt == "-" else prompt, "the prompt")
+    if system is not None:
+        system = _utf8_text(system, "--system")
     _blas_hint()
     m, tok = _load(model, NO_HEADS, dtype)
-    msgs = [{"role": "system", "content": system}] if system else []
-    if raw or tok.chat_template is None:
-        text = "\n".join(x for x in (system, prompt) if x)
-    elif prompt is None:  # the system turn alone: a prefix of any conversation that starts with it
-        text = tok.apply_chat_template(msgs, tokenize=False)
-    else:  # as mlx_lm.cache_prompt: the user turn left open, the next prompt continues it
-        msgs.append({"role": "user", "content": prompt})
-        text = tok.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
     try:
+        text = cached_prompt_text(tok, system, prompt, raw)
         cache = cache_prompt(
             m, tok, text, kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
         )
+        # recorded in the file: generate and chat check a prompt against it (and take its system prompt)
+        cache.source = {"system": system, "prompt": prompt, "raw": raw or tok.chat_template is None}
         save_prompt_cache(out, cache, model, tok)
     except ValueError as e:
         _fail(str(e))

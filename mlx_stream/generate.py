@@ -19,7 +19,7 @@ import numpy as np
 
 from .adaptive import SpeculationPolicy
 from .cache import TreeQuantizedKVCache, WindowKVCache, cache_offset, make_tree_cache, trim_cache
-from .checks import require_drafter, require_int, require_tokenizer
+from .checks import require_drafter, require_int, require_tokenizer, require_unicode
 from .drafters import Drafter, NoDrafter
 from .model import require_model
 from .sampling import LogitsProcessor, SamplingParams
@@ -96,6 +96,10 @@ class PromptCache:
         tokens: the tokens whose keys/values the cache holds, in order.
         draft: the draft model's own cache (:class:`~mlx_stream.draft_model.DraftCache`)
             when one drafts, else None.
+        source: what a prompt-cache file's tokens were made from, when the file says
+            (``mlx-stream cache-prompt``): ``{"system": str | None, "prompt": str | None,
+            "raw": bool}``; ``prompt`` set means the cache ends in an open user turn that
+            the next prompt continues. None otherwise.
 
     Raises:
         TypeError: an argument of the wrong kind (the message names the accepted forms).
@@ -109,12 +113,14 @@ class PromptCache:
         self.layers = make_tree_cache(model.backbone, max_kv_size)
         self.tokens: list[int] = []
         self.draft = None
+        self.source: dict | None = None
 
     def reset(self) -> None:
         """Forget everything."""
         self.layers[:] = make_tree_cache(self.backbone, self.max_kv_size)
         self.tokens = []
         self.draft = None
+        self.source = None
 
     def draft_cache(self, draft_model):
         """The cache of ``draft_model`` (a :class:`~mlx_stream.draft_model.DraftModel`)
@@ -157,6 +163,8 @@ class PromptCache:
             self.reset()
             return 0
         trim_cache(self.layers, n)
+        if n < len(self.tokens):
+            self.source = None  # no longer what the file was made from
         self.tokens = self.tokens[:n]
         return n
 
@@ -171,9 +179,11 @@ def encode_prompt(tokenizer, prompt, vocab_size: int | None = None) -> list[int]
 
     Raises:
         ValueError: any other form (a batch of prompts, nested lists, floats, strings
-            among the ids), or ids outside ``[0, vocab_size)`` when ``vocab_size`` is given.
+            among the ids), ids outside ``[0, vocab_size)`` when ``vocab_size`` is given,
+            or text that is not valid Unicode (lone surrogates: bytes that were not UTF-8).
     """
     if isinstance(prompt, str):
+        require_unicode(prompt, "the prompt")
         # as mlx_lm.stream_generate: no second BOS when the text already has one
         bos = tokenizer.bos_token
         return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
@@ -318,6 +328,8 @@ def _check_kinds(
     if stop is not None and not isinstance(stop, str):
         if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
             raise TypeError(f"stop must be a str, a list of str or None, got {type(stop).__name__}")
+    for s in [stop] if isinstance(stop, str) else stop or []:
+        require_unicode(s, "a stop string")
     if logits_processors is not None:
         if not isinstance(logits_processors, Sequence) or not all(callable(p) for p in logits_processors):
             raise TypeError(
@@ -412,8 +424,9 @@ def stream_generate(
             None (default): the Gumbel-max draw on the device.
         adaptive: decode plainly while drafts do not pay (measured online, see
             :class:`~mlx_stream.adaptive.SpeculationPolicy`); the output is the same
-            either way. None: on when drafting with the model's heads, off for a
-            custom ``drafter``.
+            either way. None: on when drafting with the model's heads or draft model,
+            off for a custom ``drafter`` and for an explicit ``num_draft_tokens`` chain
+            (drafted at every step, as mlx-lm does).
         prompt_lookup: the most tokens drafted per step by prompt lookup
             (:class:`~mlx_stream.drafters.LookupDrafter`, joined to the heads' tree
             whatever adaptive speculation decides for the heads); 0 turns it off;
@@ -455,7 +468,8 @@ def stream_generate(
 
     Raises:
         TypeError: an argument of the wrong kind (the message names the accepted forms).
-        ValueError: bad parameters, an empty prompt, or a prompt that does not fit
+        ValueError: bad parameters, an empty prompt, text that is not valid Unicode
+            (a prompt or stop string with bytes that were not UTF-8), or a prompt that does not fit
             in the context window (checked before any forward pass).
     """
     require_model(model)
@@ -472,7 +486,8 @@ def stream_generate(
     check_prompt_lookup(prompt_lookup)
     ids, unknown = _prompt_ids(model, tokenizer, prompt, prompt_cache, kv)
     ctx = model.context_length if max_kv_size is None else None  # a bounded cache: positions run on
-    adaptive = drafter is None if adaptive is None else adaptive
+    if adaptive is None:  # an explicit chain (num_draft_tokens, as mlx-lm's) drafts at every step
+        adaptive = drafter is None and num_draft_tokens is None
     cache = prompt_cache if prompt_cache is not None else PromptCache(model, max_kv_size)
     if drafter is None:
         drafter = _model_drafter(model, cache, tree, prompt_lookup, sampling, draft_model, num_draft_tokens)

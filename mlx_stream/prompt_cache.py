@@ -24,6 +24,7 @@ from .model import require_model
 
 TOKENS_KEY = "mlx_stream_tokens"  # (no dots: mlx-lm unflattens the metadata on them)
 FINGERPRINT_KEY = "mlx_stream_fingerprint"
+SOURCE_KEY = "mlx_stream_prompt"  # PromptCache.source: the system prompt and open user turn cached
 
 
 def save_prompt_cache(path: str | Path, cache: PromptCache, model_spec: str, tokenizer) -> Path:
@@ -80,7 +81,7 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, model_spec: str, tok
         "tokenizer_config": json.dumps({}),
         TOKENS_KEY: json.dumps(cache.tokens),
         FINGERPRINT_KEY: json.dumps(backbone_fingerprint(cache.backbone, tokenizer)),
-    }
+    } | ({SOURCE_KEY: json.dumps(cache.source)} if cache.source is not None else {})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
     try:
@@ -163,6 +164,7 @@ def load_prompt_cache(path: str | Path, model, tokenizer) -> PromptCache:
     if len(tokens) != n:
         raise ValueError(f"{path}: holds {n} tokens but lists {len(tokens)} token ids")
     cache.tokens = tokens
+    cache.source = json.loads(meta[SOURCE_KEY]) if SOURCE_KEY in meta and TOKENS_KEY in meta else None
     return cache
 
 
@@ -210,3 +212,126 @@ def cache_prompt(
         KVSettings(None, kv_bits, kv_group_size, quantized_kv_start, True),
     )
     return cache
+
+
+def cached_prompt_text(tokenizer, system: str | None, prompt: str | None, raw: bool) -> str:
+    """The text ``mlx-stream cache-prompt`` prefills: the system turn alone (a prefix of
+    any conversation that starts with it), or with ``prompt`` the user turn left open for
+    the next prompt to continue (as ``mlx_lm.cache_prompt``); ``raw`` (or a tokenizer
+    without a chat template) joins the texts with a newline instead.
+
+    Raises:
+        ValueError: neither ``system`` nor ``prompt``.
+    """
+    if system is None and prompt is None:
+        raise ValueError("give a system prompt, a prompt or both")
+    if raw or tokenizer.chat_template is None:
+        return "\n".join(x for x in (system, prompt) if x)
+    msgs = [{"role": "system", "content": system}] if system else []
+    if prompt is None:
+        return tokenizer.apply_chat_template(msgs, tokenize=False)
+    msgs.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+
+
+def _template(tokenizer, system: str | None, user: str) -> str:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+
+def prompt_after_cache(
+    tokenizer, cache: PromptCache | None, prompt: str, system: str | None = None, raw: bool = False
+) -> tuple[list[int], str | None]:
+    """The token ids to decode for a user ``prompt`` (``mlx-stream generate``'s), starting
+    from a prompt-cache file's ``cache``, and the system prompt they carry.
+
+    The prompt is built as without a cache (the chat template over ``system`` and the
+    user turn, unless ``raw``) and must start with the cached tokens; a file made by
+    ``mlx-stream cache-prompt`` supplies its own system prompt where ``system`` is None
+    and its open user turn, which ``prompt`` continues. A file that holds no token ids
+    (``mlx_lm.cache_prompt``'s) is continued as ``mlx_lm.generate`` does: the prompt's
+    text from the user's content on follows the cached tokens.
+
+    Returns:
+        ``(ids, system)``: ids to pass to :func:`~mlx_stream.stream_generate` with
+        ``prompt_cache=cache``, and the system prompt used (None: none).
+
+    Raises:
+        ValueError: the file cannot start this prompt: made with another system prompt,
+            with(out) ``raw``, or its cached tokens are not the start of the prompt built;
+            or ``system`` given with a file that holds no token ids (its own system
+            prompt, if any, is in the cache). The message says what to pass instead.
+    """
+    from .generate import encode_prompt
+
+    templated = not raw and tokenizer.chat_template is not None
+    if cache is None:
+        text = _template(tokenizer, system, prompt) if templated else prompt
+        return encode_prompt(tokenizer, text), system
+    known = [t for t in cache.tokens if t != -1]
+    src = cache.source or {}
+    if src:
+        if src["raw"] == templated:
+            raise ValueError(
+                f"the prompt cache file was made {'with' if src['raw'] else 'without'} --raw: "
+                f"{'pass' if src['raw'] else 'leave out'} --raw"
+            )
+        if system is not None and system != src["system"]:
+            made = "another system prompt" if src["system"] else "no system prompt"
+            raise ValueError(
+                f"the prompt cache file was made with {made}: pass the same --system (or none, to use "
+                "the file's), or make the file again with `mlx-stream cache-prompt --system ...`"
+            )
+        system = src["system"]
+    if not known and system is not None:
+        raise ValueError(
+            "the prompt cache file holds no token ids (mlx_lm.cache_prompt's): the prompt continues "
+            "it, so --system cannot apply; leave out --system or make the file with `mlx-stream cache-prompt`"
+        )
+    user = (src.get("prompt") or "") + prompt  # the open user turn, continued
+    text = _template(tokenizer, system, user) if templated else "\n".join(x for x in (system, user) if x)
+    if src.get("prompt") is not None and not templated:
+        text = cached_prompt_text(tokenizer, system, src["prompt"], True) + prompt
+    full = encode_prompt(tokenizer, text)
+    if known and full[: len(known)] == known:
+        return full, system
+    if known and not (src.get("prompt") is not None or (not src and system is None)):
+        raise ValueError(
+            "the prompt cache file's tokens are not the start of this prompt (another system prompt "
+            "or chat template?): make it again with `mlx-stream cache-prompt` for this prompt, or leave "
+            "out --prompt-cache-file"
+        )
+    # as mlx_lm.generate: the prompt continues the cached one (an open user turn)
+    if templated:
+        test = _template(tokenizer, system, "<query>")
+        text = text[test.index("<query>") + len(src.get("prompt") or "") :]
+    else:
+        text = prompt
+    return known + tokenizer.encode(text, add_special_tokens=False), system
+
+
+def chat_system_for_cache(tokenizer, cache: PromptCache, system: str | None = None) -> str | None:
+    """The system prompt a chat (:class:`~mlx_stream.chat.ChatSession`) must start with
+    for ``cache`` (a prompt-cache file's) to be its start: ``system``, or the file's own
+    where ``system`` is None.
+
+    Raises:
+        ValueError: the file cannot start a conversation: it holds an open user turn
+            (``cache-prompt --prompt``), no token ids (``mlx_lm.cache_prompt``'s), raw
+            text, another system prompt than ``system``, or tokens that are not the start
+            of the conversation's first turn. The message says what to do instead.
+    """
+    src = cache.source or {}
+    if src.get("prompt") is not None or any(t == -1 for t in cache.tokens):
+        made = "an open user turn (cache-prompt --prompt)" if src else "no token ids (mlx_lm.cache_prompt's)"
+        raise ValueError(
+            f"the prompt cache file holds {made}, which only `generate` continues; for a chat cache the "
+            "system prompt alone: `mlx-stream cache-prompt --system ...`"
+        )
+    ids, system = prompt_after_cache(tokenizer, cache, "Hi", system)
+    if ids[: len(cache.tokens)] != cache.tokens:
+        raise ValueError(
+            "the prompt cache file's tokens are not the start of this conversation (another system "
+            "prompt?): make it again with `mlx-stream cache-prompt --system ...`, or leave it out"
+        )
+    return system

@@ -31,7 +31,7 @@ from .cost import StepCosts, device_costs
 from .defaults import AUTO_TREE, BUDGET_TREE, PROMPT_LOOKUP
 from .drafters import Drafter, DynamicTreeDrafter, EagleDrafter, HeadsDrafter, LookupDrafter, NoDrafter
 from .model import require_model
-from .tree import Tree, check_tree_syntax, format_tree, no_drafts, parse_tree
+from .tree import Tree, check_ranks, check_tree_syntax, format_tree, no_drafts, parse_tree
 
 TreeSpec = str | Sequence[Sequence[int]] | Tree | None
 
@@ -299,13 +299,20 @@ def plan_drafting(
                 f"a dynamic tree ({tree!r}) needs eagle heads (an EAGLE-style draft layer); "
                 f"these heads are {heads.config.architecture!r}: use a static tree"
             )
+        if dyn[1] > model.args.vocab_size:
+            raise ValueError(
+                f"{tree!r}: {dyn[1]} children a node, more than the vocabulary's "
+                f"{model.args.vocab_size} tokens"
+            )
         if dyn[2] > heads.num_heads:
             raise ValueError(f"{tree!r} drafts {dyn[2]} deep; these heads draft at most {heads.num_heads}")
         cands = tuple(candidate_trees(heads)) if dyn[0] == 0 else ()
         return DraftPlan("dynamic", None, cands, dyn[0], dyn[1], depth=dyn[2], **common)
     if is_auto(tree):
         return DraftPlan("auto", None, tuple(candidate_trees(heads)), **common)
-    return DraftPlan("static", parse_tree(tree, heads.num_heads), **common)
+    static = parse_tree(tree, heads.num_heads)
+    check_ranks(static, model.args.vocab_size)
+    return DraftPlan("static", static, **common)
 
 
 def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
@@ -335,6 +342,8 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
         raise ValueError(f"{tree!r}: a draft model's tree takes a node budget: dynamic:N[,W[,D]]")
     if dyn is not None:  # the size asked for; as deep as measured to pay, else the default depth
         budget, width = dyn[:2]
+        if width > draft.vocab:
+            raise ValueError(f"{tree!r}: {width} children a node, more than the draft's {draft.vocab} tokens")
         depth = dyn[2] or draft.depth or depth
     elif draft.depth is not None:  # measured on this device (mlx_stream.calibrate)
         if draft.depth == 0:

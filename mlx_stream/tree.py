@@ -280,3 +280,18 @@ def check_depth(tree: Tree, num_heads: int) -> None:
             f"tree depth {tree.depth} needs {tree.depth} stream heads but only {num_heads} "
             "are loaded: use a shallower tree (e.g. 'chain')"
         )
+
+
+def check_ranks(tree: Tree, vocab_size: int) -> None:
+    """Refuse a tree whose ranks reach past the vocabulary (a node of rank r is its
+    head's (r + 1)-th most likely token, so ranks run from 0 to ``vocab_size - 1``).
+
+    Raises:
+        ValueError: a rank >= ``vocab_size``; the message names the largest allowed.
+    """
+    top = int(tree.ranks.max()) if tree.size > 1 else 0
+    if top >= vocab_size:
+        raise ValueError(
+            f"tree rank {top} is beyond the vocabulary: a rank is a token's place among the head's "
+            f"{vocab_size} predictions, so the largest allowed is {vocab_size - 1}"
+        )

@@ -89,3 +89,42 @@ def test_a_model_without_chat_template_is_refused(tiny):
 def _prompt_before_last_reply(chat):
     msgs = chat.messages[:-1]
     return chat.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+
+def test_a_reply_left_unfinished_is_settled_by_the_next_turn_and_reset(tiny):
+    """Issue 48: a caller that stops iterating without closing the stream; the next send
+    (and reset) closes it first, so the transcript alternates and nothing stale lands later."""
+    import gc
+
+    model, tok = tiny
+    chat = ChatSession(model, tok, max_tokens=16)
+    it = chat.send(TURNS[0])
+    first = [next(it).text for _ in range(3)]  # stopped after 3 chunks, `it` still alive
+    got = [t for r in chat.send(TURNS[1]) for t in r.tokens]
+    roles = [m["role"] for m in chat.messages]
+    assert roles == ["user", "assistant", "user", "assistant"]
+    assert chat.messages[1]["content"] == "".join(first)  # the stopped reply joined in its place
+    assert got == ours(model, tok, _prompt_before_last_reply(chat), 16)[0]  # as a cold run
+    del it
+    gc.collect()
+    assert [m["role"] for m in chat.messages] == roles  # nothing appended after collection
+    it = chat.send(TURNS[2])
+    next(it)
+    chat.reset()
+    assert chat.messages == [] and chat.cache.tokens == []
+    assert list(it) == []  # settled: the stream is over
+    del it
+    gc.collect()
+    assert chat.messages == []
+
+
+def test_text_that_is_not_unicode_is_refused_at_the_call(tiny):
+    """Issue 48: lone surrogates (bytes that were not UTF-8) are refused with a ValueError
+    that says so, before the turn joins the transcript, not a tokenizer TypeError."""
+    model, tok = tiny
+    chat = ChatSession(model, tok, max_tokens=4)
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        chat.send("hi \udcff")
+    assert chat.messages == []
+    with pytest.raises(ValueError, match="system prompt is not valid Unicode"):
+        ChatSession(model, tok, system="be \udcfe brief")

@@ -603,3 +603,34 @@ def test_answers_grow_with_generate_show_add_and_clear(tiny_dir, tmp_path):
     r = cli("answers", "--model", str(tiny_dir), "--clear")
     assert r.returncode == 0 and "cleared" in r.stdout
     assert ": 0 answers" in cli("answers", "--model", str(tiny_dir)).stdout
+
+
+def test_generate_replaces_bytes_that_are_not_utf8_with_one_line(tiny_dir):
+    """Issue 48: bytes that are not UTF-8 in -p, stdin (-p -), --system or --stop become
+    U+FFFD with one note on stderr (as `chat` does), not a tokenizer traceback."""
+    model = ["--model", str(tiny_dir), "--max-tokens", "3", "--json"]
+    bad = os.fsdecode(b"hello \xff\xfe")  # as the shell hands it over: surrogate-escaped
+    r = run("generate", "-p", bad, *model)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "2 byte(s) that are not UTF-8 replaced with U+FFFD" in r.stderr
+    same = run("generate", "-p", "hello \ufffd\ufffd", *model)
+    assert json.loads(r.stdout)["tokens"] == json.loads(same.stdout)["tokens"]
+    piped = subprocess.run(
+        [EXE, "generate", "-p", "-", *model], input=b"hi \xff there", capture_output=True, timeout=600
+    )
+    assert piped.returncode == 0 and b"1 byte(s) that are not UTF-8" in piped.stderr, piped.stderr
+    r = run("generate", "-p", "hi", "--system", bad, "--stop", bad, *model)
+    assert r.returncode == 0 and r.stderr.count("not UTF-8 replaced") == 2, r.stderr
+
+
+def test_generate_refuses_tree_ranks_past_the_vocabulary_in_one_line(tiny_dir, tmp_path):
+    """Issue 48: `--tree 8192` on a model of fewer tokens: one line naming the largest rank."""
+    from mlx_stream import load
+    from mlx_stream.heads import new_heads, save_heads
+
+    model, tok = load(str(tiny_dir), heads=None)
+    heads = save_heads(new_heads(model.backbone, tok, 2, seed=0, architecture="hydra"), tmp_path / "heads")
+    v = model.args.vocab_size
+    r = run("generate", "-p", "hi", "--model", str(tiny_dir), "--heads", str(heads), "--tree", "8192")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"largest allowed is {v - 1}" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

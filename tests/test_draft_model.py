@@ -370,3 +370,31 @@ def test_calibration_and_self_drafting_choose_by_measurement(pair, tmp_path, mon
     assert got == plain
     same = load_draft("self", deep, dtok8)
     assert same.calibration["cached"] and same.name == draft.name
+
+
+def test_an_explicit_chain_drafts_at_every_step_even_where_the_calibration_declined(pair):
+    """Issue 48: num_draft_tokens=K (--num-draft-tokens K) drafts a chain of K at every
+    step, as mlx-lm's does: neither the calibration's "does not pay" (depth 0) nor adaptive
+    speculation turns it off; adaptive=True asks for the policy explicitly."""
+    from mlx_stream import load_draft, stream_generate
+    from mlx_stream.speculation import plan_drafting
+
+    target, tok, other, dtok = pair
+    draft = load_draft((other.backbone, dtok), target, tok, calibrate=False, p_min=0.0)
+    draft.depth = 0  # what a calibration that expects no gain on this device sets
+    assert plan_drafting(target, draft_model=draft).kind == "none"  # as calibrated: plain
+    plain, _ = _run(target, tok)
+    rs = list(
+        stream_generate(
+            target,
+            tok,
+            "The quick brown",
+            max_tokens=32,
+            draft_model=draft,
+            num_draft_tokens=2,
+            prompt_lookup=0,
+        )
+    )
+    assert [t for r in rs for t in r.tokens] == plain
+    steps = rs[1:-1]  # the first comes from the prefill; the last may be cut by max_tokens
+    assert steps and all(r.drafted == 2 for r in steps), [r.drafted for r in rs]

@@ -378,3 +378,22 @@ def test_sampling_drafts_with_the_heads_sampled_tree(tiny_ref, tmp_path):
     save_heads(model.heads, tmp_path / "heads")
     assert HeadConfig.from_file(tmp_path / "heads" / "config.json").sampled_tree == "0;1;0,0"
     assert load_heads(tmp_path / "heads").config.sampled_tree == "0;1;0,0"
+
+
+def test_text_that_is_not_unicode_and_tree_ranks_past_the_vocabulary_are_refused(tiny):
+    """Issue 48: a prompt or stop string with lone surrogates (bytes that were not UTF-8)
+    and a tree rank >= the vocabulary get one-line ValueErrors naming the fix, not a
+    tokenizer TypeError or MLX's argpartition error."""
+    model, tok = tiny
+    with pytest.raises(ValueError, match="the prompt is not valid Unicode.*errors='replace'"):
+        generate(model, tok, "hi \udcff", max_tokens=2)
+    with pytest.raises(ValueError, match="stop string is not valid Unicode"):
+        generate(model, tok, "hi", max_tokens=2, stop=["\udcff"])
+    model.heads = new_heads(model.backbone, tok, 2, seed=0, architecture="hydra")
+    v = model.args.vocab_size
+    with pytest.raises(ValueError, match=f"largest allowed is {v - 1}"):
+        generate(model, tok, "hi", max_tokens=2, tree=str(v))
+    with pytest.raises(ValueError, match=f"largest allowed is {v - 1}"):
+        generate(model, tok, "hi", max_tokens=2, tree=f"0;0,{v + 5}")
+    plain = generate(model, tok, "hi", max_tokens=6, tree="none", prompt_lookup=0)
+    assert generate(model, tok, "hi", max_tokens=6, tree=f"{v - 1};0", prompt_lookup=0) == plain

@@ -139,3 +139,45 @@ def test_cli_cache_prompt_then_generate(tiny_dir, tmp_path):
         [*gen, "--prompt-cache-file", str(tmp_path / "nope.safetensors")], capture_output=True, text=True
     )
     assert r.returncode == 2 and "no such prompt cache file" in r.stderr
+
+
+def test_a_prompt_cache_file_must_be_the_start_of_the_prompt_built(tiny_dir, tmp_path):
+    """Issue 48: a file made with one --system is refused with another (it used to answer
+    with the file's); without --system the file's own system prompt is used, with the user
+    turn's header in place; chat checks the same; an open user turn is continued by generate
+    only; raw and templated files are not mixed."""
+    base = [sys.executable, "-m", "mlx_stream.cli"]
+    model = ["--model", str(tiny_dir)]
+
+    def cli(*args):
+        return subprocess.run([*base, *args, *model], capture_output=True, text=True, timeout=600)
+
+    sys_file, open_file = str(tmp_path / "sys.safetensors"), str(tmp_path / "open.safetensors")
+    assert cli("cache-prompt", "--system", "You are a pirate.", "--out", sys_file).returncode == 0
+    assert cli("cache-prompt", "--system", "Be brief.", "-p", DOC, "--out", open_file).returncode == 0
+    gen = ["generate", "-p", "Hello", "--max-tokens", "8", "--json"]
+    cold = json.loads(cli(*gen, "--system", "You are a pirate.").stdout)
+    for extra in (["--system", "You are a pirate."], []):  # the same system prompt, or the file's own
+        warm = cli(*gen, "--prompt-cache-file", sys_file, *extra)
+        assert warm.returncode == 0, warm.stderr
+        assert json.loads(warm.stdout)["tokens"] == cold["tokens"], extra
+        assert json.loads(warm.stdout)["prompt_tokens"] == cold["prompt_tokens"]
+    r = cli(*gen, "--prompt-cache-file", sys_file, "--system", "You are a robot.")
+    assert r.returncode == 2 and "made with another system prompt" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    # the open user turn: the prompt continues it, as one user turn DOC + prompt
+    cold = json.loads(cli(*gen[:1], "-p", DOC + "Hello", *gen[3:], "--system", "Be brief.").stdout)
+    warm = cli(*gen, "--prompt-cache-file", open_file)
+    assert warm.returncode == 0 and json.loads(warm.stdout)["tokens"] == cold["tokens"], warm.stderr
+    r = cli(*gen, "--prompt-cache-file", sys_file, "--raw")
+    assert r.returncode == 2 and "made without --raw" in r.stderr, r.stderr
+    chat = ["chat", "--max-tokens", "4", "--prompt-cache-file"]
+    r = subprocess.run([*base, *chat, open_file, *model], input="hi\n", capture_output=True, text=True)
+    assert r.returncode == 2 and "open user turn" in r.stderr, r.stderr
+    r = subprocess.run(
+        [*base, *chat, sys_file, "--system", "You are a robot.", *model],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "made with another system prompt" in r.stderr, r.stderr

@@ -162,6 +162,12 @@ def node_costs(backbone, t1_ms: float | None = None) -> dict[str, float]:
     return {str(n): _forward_ms(backbone, nodes=n) / one for n in NODE_COUNTS}
 
 
+def _done(tic: float) -> dict:
+    seconds = time.perf_counter() - tic
+    print(f"  calibrated in {seconds:.0f} s", file=sys.stderr)
+    return {"seconds": round(seconds, 1)}
+
+
 def _cached(model, what: dict, cache_dir, refresh: bool, measure) -> dict:
     if cache_dir is None:
         from .files import cache_dir as default_dir
@@ -215,7 +221,13 @@ def calibrate_draft(model, tokenizer, draft: DraftModel, cache_dir=None, refresh
     """
 
     def measure():
-        print(f"calibrating the draft model {draft.name} on this device once (cached)", file=sys.stderr)
+        print(
+            f"calibrating the draft model {draft.name} on this device once (cached; the target writes "
+            f"{CALIBRATION_PROMPTS} x {CALIBRATION_TOKENS} tokens of text to measure on, then both are "
+            "timed)",
+            file=sys.stderr,
+        )
+        tic = time.perf_counter()
         costs = device_costs(model)
         seqs = _calibration_text(model, tokenizer)
         targets = [mx.array(out) for _, out in seqs]
@@ -230,7 +242,7 @@ def calibrate_draft(model, tokenizer, draft: DraftModel, cache_dir=None, refresh
             "budget": tree_budget(k, costs) if k else 0,
             "speedup": s,
             "node_costs": node_costs(draft.backbone, t_draft),
-        }
+        } | _done(tic)
 
     return _cached(model, _draft_id(draft) | {"v": CALIBRATION_VERSION}, cache_dir, refresh, measure)
 
@@ -262,13 +274,24 @@ def self_draft(model, tokenizer, cache_dir=None, refresh: bool = False) -> tuple
         )
 
     def measure():
-        print("choosing the layers a self-speculative draft keeps, once (cached)", file=sys.stderr)
+        cands = subset_candidates(num)
+        print(
+            f"choosing the layers a self-speculative draft keeps, once (cached): the target writes "
+            f"{CALIBRATION_PROMPTS} x {CALIBRATION_TOKENS} tokens of text, then {len(cands)} layer subsets "
+            "are measured on it",
+            file=sys.stderr,
+        )
+        tic = time.perf_counter()
         costs = device_costs(model)
         seqs = _calibration_text(model, tokenizer)
         targets = [mx.array(out) for _, out in seqs]
         t_full = _forward_ms(bb)
         rows = []
-        for keep in subset_candidates(num):
+        t_first = time.perf_counter()
+        for i, keep in enumerate(cands):
+            if i == 1:  # the rest take about as long as the first
+                more = (time.perf_counter() - t_first) * (len(cands) - 1)
+                print(f"  1/{len(cands)} measured; about {more:.0f} s more", file=sys.stderr)
             view = layer_subset(bb, keep)
             alpha = _agreement(view, targets, seqs)
             r = _forward_ms(view) / t_full
@@ -278,7 +301,7 @@ def self_draft(model, tokenizer, cache_dir=None, refresh: bool = False) -> tuple
         row = rows[best]
         row["budget"] = tree_budget(row["depth"], costs) if row["depth"] else 0
         row["node_costs"] = node_costs(layer_subset(bb, row["keep"]))
-        return {"candidates": rows, "best": best}
+        return {"candidates": rows, "best": best} | _done(tic)
 
     what = {"name": "self", "layers": num, "v": CALIBRATION_VERSION}
     info = _cached(model, what, cache_dir, refresh, measure)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterator
 
 from .checks import kind, require_tokenizer, require_unicode
@@ -65,7 +66,9 @@ class ChatSession:
         self.base = [{"role": "system", "content": system}] if system else []
         self.messages: list[dict] = list(self.base)
         self.cache = PromptCache(model, generation.get("max_kv_size"))
-        self._turn = None  # the reply being streamed: settled before the next turn
+        # the reply being streamed, settled before the next turn; a weak reference, so a
+        # stream the caller dropped is closed (and joins the transcript) as soon as it is freed
+        self._turn: weakref.ref | None = None
 
     def prompt(self) -> str:
         """The transcript through the chat template, ready for the assistant's turn."""
@@ -92,14 +95,16 @@ class ChatSession:
             raise TypeError(f"a chat turn's text must be a str, got {kind(text)}")
         require_unicode(text, "a chat turn's text")
         self._settle()
-        self._turn = self._reply(text, overrides)
-        return self._turn
+        turn = self._reply(text, overrides)
+        self._turn = weakref.ref(turn)
+        return turn
 
     def _settle(self) -> None:
         # closing a suspended reply runs its `finally`: the part streamed joins the transcript
-        if self._turn is not None:
-            self._turn.close()
-            self._turn = None
+        turn = self._turn() if self._turn is not None else None
+        if turn is not None:
+            turn.close()
+        self._turn = None
 
     def _reply(self, text: str, overrides: dict) -> Iterator[GenerationResponse]:
         self.messages.append({"role": "user", "content": text})

@@ -51,7 +51,8 @@ _TREE = typer.Option(
     None,
     "--tree",
     help=f"Draft tree: '{AUTO_TREE}' (the heads' candidate that is fastest on this device, measured once), "
-    "'sparse', 'chain', 'chain:K', 'none', rank paths like '0;1;0,0;0,0,0', or (eagle heads) "
+    "'sparse', 'chain', 'chain:K', 'none' (the heads draft nothing; prompt lookup and the "
+    "datastore still do unless --prompt-lookup 0), rank paths like '0;1;0,0;0,0,0', or (eagle heads) "
     "'dynamic:N[,W[,D]]', EAGLE-2's dynamic tree of at most N nodes, W children a node, D deep "
     "('dynamic:auto': N that pays most on this "
     "device), or 'budget' (each step's tree chosen "
@@ -147,9 +148,11 @@ class DecodeOptions:
             )
             check_kv(KVSettings(self.max_kv_size, self.kv_bits, self.kv_group_size, self.quantized_kv_start))
             _check_draft_options(self.draft_model, self.num_draft_tokens, self.tree, self.draft_p_min)
+            self._check_combinations()
             processors = make_processors(self.repetition_penalty)
         except ValueError as e:
             _fail(str(e))
+        _note_unused_sampling(self.temp, self.top_p, self.top_k, self.min_p, self.seed)
         return {
             "max_tokens": max_tokens,
             "temp": self.temp,
@@ -168,10 +171,53 @@ class DecodeOptions:
             "adaptive": self.adaptive,
         }
 
+    def _check_combinations(self) -> None:
+        # an option that another one makes meaningless is refused, not silently dropped
+        explicit_heads = self.heads != DEFAULT_HEADS
+        if self.no_heads and explicit_heads and self.heads != NO_HEADS:
+            raise ValueError(f"--heads {self.heads} and --no-heads contradict each other: pass one")
+        if self.draft_model is not None and (self.no_heads or (explicit_heads and self.heads != NO_HEADS)):
+            given = "--no-heads" if self.no_heads else f"--heads {self.heads}"
+            raise ValueError(
+                f"--draft-model drafts instead of the heads: leave out {given} (the draft model is the "
+                "only drafter; --prompt-lookup 0 leaves it alone)"
+            )
+        if self.no_heads or self.heads == NO_HEADS:
+            _check_tree_without_heads(self.tree, self.draft_model)
+        if self.kv_bits is None:
+            given = [
+                f"--{n} {v}"
+                for n, v, d in (
+                    ("kv-group-size", self.kv_group_size, 64),
+                    ("quantized-kv-start", self.quantized_kv_start, 5000),
+                )
+                if v != d
+            ]
+            if given:
+                raise ValueError(f"{' and '.join(given)} set(s) the quantized KV cache: add --kv-bits")
+
     def load(self):
-        """``(model, tokenizer)``; exit 2 with one line when they cannot be loaded."""
+        """``(model, tokenizer)``; exit 2 with one line when they cannot be loaded or an
+        option does not apply to what was loaded."""
         heads = NO_HEADS if self.no_heads or self.draft_model else self.heads
-        return _load(self.model, heads, self.dtype, _learn(self.learn), self.draft_model, self.draft_p_min)
+        m, tok = _load(self.model, heads, self.dtype, _learn(self.learn), self.draft_model, self.draft_p_min)
+        if m.heads is None:
+            try:
+                _check_tree_without_heads(self.tree, self.draft_model, f"{self.model} has no heads")
+            except ValueError as e:
+                _fail(str(e))
+        lookup_off = self.prompt_lookup == 0 or (
+            self.prompt_lookup is None and m.heads is None and m.draft_model is None and self.tree != "budget"
+        )
+        if self.learn is True and lookup_off:
+            typer.echo(
+                "note: --learn adds this run's answer to the store, but only prompt lookup drafts from it "
+                "(off here: --prompt-lookup N turns it on)",
+                err=True,
+            )
+        if self.system is not None and tok.chat_template is None:
+            _fail(f"--system fills the chat template's system turn, but {self.model} has no chat template")
+        return m, tok
 
     def prompt_cache(self, model, tokenizer):
         """The cache loaded from ``--prompt-cache-file``, or None; exit 2 when it cannot be."""
@@ -182,9 +228,17 @@ class DecodeOptions:
         if self.max_kv_size is not None:
             _fail("--prompt-cache-file holds a full cache: it cannot be combined with --max-kv-size")
         try:
-            return load_prompt_cache(self.prompt_cache_file, model, tokenizer)
+            cache = load_prompt_cache(self.prompt_cache_file, model, tokenizer)
         except (ValueError, FileNotFoundError) as e:
             _fail(str(e))
+        q = cache.quantization
+        if q is not None and q != (self.kv_bits, self.kv_group_size):
+            # (else the loop would drop the cache and prefill everything again)
+            _fail(
+                f"{self.prompt_cache_file} holds a {q[0]}-bit KV cache in groups of {q[1]}: pass "
+                f"--kv-bits {q[0]} --kv-group-size {q[1]} (quantized caches decode plainly: --no-heads)"
+            )
+        return cache
 
 
 def _option(name: str, annotation, default) -> inspect.Parameter:
@@ -237,7 +291,9 @@ _DECODE_OPTIONS = [
         "kv_bits",
         int | None,
         typer.Option(
-            None, "--kv-bits", help="Store the KV cache quantized to this many bits (4 or 8, as mlx-lm)."
+            None,
+            "--kv-bits",
+            help="Store the KV cache quantized to this many bits (2-6 or 8, as mlx-lm; decodes plainly).",
         ),
     ),
     _option(
@@ -371,6 +427,32 @@ def _check_draft_options(
         )
 
 
+def _check_tree_without_heads(tree: str | None, draft_model: str | None, why: str = "no heads are loaded"):
+    # --tree picks the heads' tree (or sizes a draft model's): without either it would be ignored
+    if tree is None or draft_model is not None or tree.strip() in ("none", "budget"):
+        return
+    raise ValueError(
+        f"--tree {tree} picks the heads' draft tree, but {why}: leave out --tree (--tree budget or "
+        "--prompt-lookup N draft without heads)"
+    )
+
+
+def _note_unused_sampling(temp, top_p, top_k, min_p, seed) -> None:
+    # as mlx-lm, sampling options are accepted with greedy decoding, but said to do nothing
+    if temp != 0:
+        return
+    given = [
+        n for n, v, d in (("--top-p", top_p, 1.0), ("--top-k", top_k, 0), ("--min-p", min_p, 0.0)) if v != d
+    ]
+    given += ["--seed"] if seed is not None else []
+    if given:
+        typer.echo(
+            f"note: {', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only when sampling "
+            "(--temp > 0); greedy decoding ignores them",
+            err=True,
+        )
+
+
 def _check_out(path: str, folder: bool) -> None:
     from mlx_stream.files import check_writable
 
@@ -414,6 +496,8 @@ def generate(
 
     if raw and opts.system is not None:
         _fail("--system fills the chat template's system turn: leave out --raw, or put it in the prompt")
+    if logprobs and not as_json:
+        _fail("--logprobs adds each token's log-probability to the --json output: add --json")
     settings = opts.generation(max_tokens)
     prompt = _utf8_text(_read_stdin() if prompt == "-" else prompt, "the prompt")
     # as mlx-lm's prompt: "\n" typed
@@ -446,6 +530,7 @@ def generate(
                 "tokens": tokens,
                 "finish_reason": last.finish_reason,
                 "prompt_tokens": last.prompt_tokens,
+                "cached_tokens": last.cached_tokens,
                 "generation_tokens": last.generation_tokens,
                 "forward_passes": last.forward_passes,
                 "tau": round(last.tau, 4),
@@ -506,9 +591,11 @@ def cache_prompt_command(
     kv_bits: int | None = typer.Option(
         None, "--kv-bits", help="Store the cache quantized to this many bits."
     ),
-    kv_group_size: int = typer.Option(64, "--kv-group-size"),
+    kv_group_size: int = typer.Option(
+        64, "--kv-group-size", help="With --kv-bits: values per quantization group."
+    ),
     quantized_kv_start: int = typer.Option(
-        0, "--quantized-kv-start", help="Quantize from this many tokens on."
+        0, "--quantized-kv-start", help="With --kv-bits: quantize from this many tokens on."
     ),
 ):
     """Prefill a prompt once and save its KV cache (mlx-lm's format) for --prompt-cache-file.
@@ -519,6 +606,8 @@ def cache_prompt_command(
 
     if prompt is None and system is None:
         _fail("give --prompt, --system or both")
+    if kv_bits is None and (kv_group_size != 64 or quantized_kv_start != 0):
+        _fail("--kv-group-size and --quantized-kv-start set the quantized KV cache: add --kv-bits")
     if not out.endswith(".safetensors"):
         _fail(f"{out}: a prompt cache file name ends in .safetensors")
     _check_out(out, folder=False)
@@ -599,8 +688,14 @@ def server(
     try:
         check_generation(max_tokens, temp, tree=tree, prompt_lookup=prompt_lookup)
         _check_draft_options(draft_model, num_draft_tokens, tree, draft_p_min)
+        if draft_model is not None and heads not in (DEFAULT_HEADS, NO_HEADS):
+            raise ValueError(f"--draft-model drafts instead of the heads: leave out --heads {heads}")
+        if heads == NO_HEADS:
+            _check_tree_without_heads(tree, draft_model)
     except ValueError as e:
         _fail(str(e))
+    if draft_model is not None:
+        heads = NO_HEADS  # (they would be loaded and never draft)
     from mlx_stream.server import serve
 
     _blas_hint()
@@ -661,9 +756,9 @@ def convert(
     quantize: bool = typer.Option(
         False, "--quantize", "-q", help="HF checkpoints: quantise the weights (mlx-lm affine)."
     ),
-    q_bits: int = typer.Option(4, "--q-bits", help="Bits per weight when quantising: 4 or 8."),
-    q_group_size: int = typer.Option(
-        64, "--q-group-size", help="Weights per quantisation group: 32, 64 or 128."
+    q_bits: int | None = typer.Option(None, "--q-bits", help="With -q: bits per weight, 4 or 8 (default 4)."),
+    q_group_size: int | None = typer.Option(
+        None, "--q-group-size", help="With -q: weights per quantisation group, 32, 64 or 128 (default 64)."
     ),
     dequantize: bool = typer.Option(
         False, "--dequantize", help="GGUF: store float32 weights instead of quantised ones."
@@ -683,6 +778,8 @@ def convert(
         gguf = alias_gguf(src)  # an alias (the --model names): its GGUF file
         if gguf is not None:
             src = str(gguf)
+        if not quantize and (q_bits is not None or q_group_size is not None):
+            raise ValueError("--q-bits and --q-group-size set -q's quantisation: add -q (--quantize)")
         if src.endswith(".gguf"):
             if quantize or dtype:
                 raise ValueError(
@@ -691,8 +788,12 @@ def convert(
                 )
             path = convert_gguf(src, out, dequantize=dequantize)
         elif Path(src).is_dir():
+            if dequantize:
+                raise ValueError(
+                    "--dequantize applies to a quantised GGUF file; this is a Hugging Face folder"
+                )
             path = convert_hf(
-                src, out, dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size
+                src, out, dtype=dtype, quantize=quantize, q_bits=q_bits or 4, q_group_size=q_group_size or 64
             )
         else:
             raise ValueError(
@@ -717,11 +818,14 @@ def bench(
         help="A jsonl file ('prompt', Spec-Bench 'turns' or 'messages'), 'builtin', or 'spec-bench' "
         "(the Spec-Bench copy shipped with the package, --per-group from each task group).",
     ),
-    limit: int = typer.Option(8, "--limit", "-n", help="How many prompts."),
-    per_group: int = typer.Option(
-        8,
+    limit: int | None = typer.Option(
+        None, "--limit", "-n", help="How many prompts of 'builtin' or a jsonl file (default 8)."
+    ),
+    per_group: int | None = typer.Option(
+        None,
         *_PER_GROUP,
-        help="With --prompts spec-bench: the first N questions of each of the 6 task groups (categories).",
+        help="With --prompts spec-bench: the first N questions of each of the 6 task groups (categories; "
+        "default 8).",
     ),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     tree: str | None = _TREE,
@@ -731,7 +835,9 @@ def bench(
     top_p: float = _TOP_P,
     top_k: int = _TOP_K,
     min_p: float = _MIN_P,
-    seed: int = typer.Option(0, "--seed", help="Prompt i is sampled with seed + i (both sides)."),
+    seed: int | None = typer.Option(
+        None, "--seed", help="With --temp > 0: prompt i is sampled with seed + i (both sides; default 0)."
+    ),
     out: str | None = typer.Option(
         None, "--out", help="Write report.json, report.md and report.png into this folder."
     ),
@@ -744,8 +850,10 @@ def bench(
     draft_model: str | None = _DRAFT_MODEL,
     num_draft_tokens: int | None = _NUM_DRAFT,
     draft_p_min: float | None = _DRAFT_P_MIN,
-    adaptive: bool = typer.Option(
-        True, "--adaptive/--no-adaptive", help="Adaptive speculation (off: draft at every step)."
+    adaptive: bool | None = typer.Option(
+        None,
+        "--adaptive/--no-adaptive",
+        help="Adaptive speculation (off: draft at every step). Default: on, off with --num-draft-tokens.",
     ),
 ):
     """Side-by-side against plain mlx-lm (same weights, one process, interleaved);
@@ -771,9 +879,24 @@ def bench(
         _check_draft_options(draft_model, num_draft_tokens, tree, draft_p_min)
         if draft_model is not None and drafter == "oracle":
             raise ValueError("--draft-model and --drafter oracle are two drafters: pick one")
-        texts, groups = select_prompts(prompts, limit, per_group)
+        if heads not in (DEFAULT_HEADS, NO_HEADS) and (drafter == "oracle" or draft_model is not None):
+            other = "--drafter oracle" if drafter == "oracle" else "--draft-model"
+            raise ValueError(f"{other} drafts instead of the heads: leave out --heads {heads}")
+        if drafter == "oracle" and (prompt_lookup or answers):
+            raise ValueError(
+                "--drafter oracle drafts the reference output alone: leave out --prompt-lookup and --answers"
+            )
+        if prompts == "spec-bench" and limit is not None:
+            raise ValueError("--limit counts 'builtin' or jsonl prompts; with spec-bench use --per-group N")
+        if prompts != "spec-bench" and per_group is not None:
+            raise ValueError("--per-group picks from each Spec-Bench group: only with --prompts spec-bench")
+        if heads == NO_HEADS and drafter != "oracle":
+            _check_tree_without_heads(tree, draft_model)
+        texts, groups = select_prompts(prompts, limit or 8, per_group or 8)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+    _note_unused_sampling(temp, top_p, top_k, min_p, seed)
+    seed = seed or 0
     if out:
         _check_out(out, folder=True)
     _blas_hint()
@@ -784,6 +907,10 @@ def bench(
         model, NO_HEADS if no_heads else heads, dtype, "read" if answers else False, draft_model, draft_p_min
     )
     if not oracle and m.heads is None and m.draft_model is None:
+        try:
+            _check_tree_without_heads(tree, draft_model, f"{model} has no heads")
+        except ValueError as e:
+            _fail(str(e))
         typer.echo("note: no heads loaded; this measures plain decoding through the loop", err=True)
     with Progress(
         TextColumn("bench"),
@@ -948,6 +1075,25 @@ def train(
     """
     from mlx_stream.train.pipeline import check_run_settings, run
 
+    if data is not None and synthesize != 512:
+        _fail("--synthesize makes prompts when --data is not given: pass one of them")
+    if soft_targets and kl_weight == 0:
+        _fail("--soft-targets K stores the backbone's top-K for the KL loss: give --kl-weight > 0 too")
+    if architecture == "eagle":  # one draft layer trained on sequence batches: these do not apply
+        given = [
+            name
+            for name, v, d in (
+                ("--num-layers", num_layers, _TC.num_layers),
+                ("--batch-size", batch_size, _TC.batch_size),
+                ("--grad-accum", grad_accum, _TC.grad_accum),
+                ("--kl-weight", kl_weight, _TC.kl_weight),
+                ("--checkpoint-every", checkpoint_every, _TC.checkpoint_every),
+                ("--soft-targets", soft_targets, 0),
+            )
+            if v != d
+        ]
+        if given:
+            _fail(f"{', '.join(given)}: not used by eagle heads (one draft layer trained on whole sequences)")
     base = CONTINUED if init_heads is not None else {"epochs": _TC.epochs, "lr": _TC.lr, "warmup": _TC.warmup}
     epochs = base["epochs"] if epochs is None else epochs
     lr = base["lr"] if lr is None else lr
@@ -1121,7 +1267,6 @@ def answers_command(
         help="Add the completions of a jsonl file ({'prompt', 'completion'} rows, e.g. a training run's "
         "data/train.jsonl) as answers.",
     ),
-    dtype: str = _DTYPE,
 ):
     """This machine's store of a model's past answers, which drafting draws on: where it
     is and how much it holds; --clear deletes it, --add imports answers. Commands add to it
@@ -1146,7 +1291,7 @@ def answers_command(
         skipped = len(rows) - len(texts)
         if not texts:
             _fail(f"{add}: no rows with a non-empty 'completion' string")
-    m, tok = _load(model, NO_HEADS, dtype)
+    m, tok = _load(model, NO_HEADS, "auto")  # (only the fingerprint is read: any dtype gives it)
     fp = backbone_fingerprint(m.backbone, tok)
     store = AnswerStore(answers_path(fp, cache_dir()), fp["tokenizer"])
     try:
@@ -1213,7 +1358,6 @@ def eval_heads(
     from mlx_stream.distributed import connect, launched
     from mlx_stream.files import write_json
     from mlx_stream.generate import check_generation
-    from mlx_stream.loader import resolve_heads
     from mlx_stream.prompts import load_spec_bench
 
     decoding = Decoding(max_tokens, tree, prompt_lookup)
@@ -1221,6 +1365,11 @@ def eval_heads(
         check_generation(max_tokens, 0.0, tree=tree, prompt_lookup=prompt_lookup)
         if workers < 1:
             raise ValueError(f"--workers must be >= 1, got {workers}")
+        if replay and workers > 1:
+            raise ValueError(
+                "--replay runs in one process (its generation is batched); start ranks with mlx.launch "
+                "instead of --workers"
+            )
         items = load_spec_bench(None if prompts == "spec-bench" else prompts, per_group)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -1256,7 +1405,7 @@ def eval_heads(
         if not ranks.is_main:
             return
     elif workers > 1:
-        spec = resolve_heads(model, heads) if m.heads is not None else None
+        spec = heads if m.heads is not None else None  # each process resolves it as load did
         del m, tok
         try:
             res = pool_tau(decode_items_in_processes(model, spec, dtype, items, decoding, workers))

@@ -122,10 +122,12 @@ def device_costs(model, heads_trees: Sequence[Tree] = (), cache_dir=None, refres
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # unreadable: measured again and rewritten
     print(
-        f"measuring this device's forward and drafting costs once (~30 s; cached in {cache_dir})",
+        f"measuring this device's forward and drafting costs once (cached in {cache_dir}) ...",
         file=sys.stderr,
     )
+    tic = time.perf_counter()
     costs = measure_costs(model, heads_trees)
+    print(f"  measured in {time.perf_counter() - tic:.0f} s", file=sys.stderr)
     try:
         write_json({"key": key, "curve": costs.curve, "t1_ms": costs.t1_ms, "draft_ms": costs.draft_ms}, path)
     except OSError:

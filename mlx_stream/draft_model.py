@@ -120,8 +120,9 @@ class DraftModel:
             does not pay here), else None (:data:`DRAFT_TREE`).
         calibration: what the calibration measured, or None.
         p_min: drafting stops once the best candidate's cumulative draft probability
-            falls below this (llama.cpp's ``--draft-p-min``; default :data:`P_MIN`, 0:
-            always the full depth); set it to change how much a step drafts.
+            falls below this (llama.cpp's ``--draft-p-min``; 0: always the full depth);
+            set it to change how much a step drafts. None (default): :data:`P_MIN` for
+            its trees, 0 for an explicit chain (``num_draft_tokens=K`` drafts K, as mlx-lm).
     """
 
     def __init__(self, backbone, vocab: int, name: str = "draft"):
@@ -131,7 +132,7 @@ class DraftModel:
         self.depth: int | None = None
         self.budget: int | None = None
         self.calibration: dict | None = None
-        self.p_min: float = P_MIN
+        self.p_min: float | None = None
 
     def expand_for(self, width: int) -> int:
         """Frontier nodes a tree of ``width`` children per node expands per depth: the

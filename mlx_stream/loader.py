@@ -214,6 +214,31 @@ def default_heads_path(model_spec: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def shipped_heads_for(backbone, tokenizer) -> Path | None:
+    """The heads shipped in the package whose backbone fingerprint is this backbone's
+    (the same weights and tokenizer, under another name: a converted or copied folder of
+    a model that ships heads), or None. Cheap for other models: the fingerprint's hash is
+    computed only where the architecture and vocabulary size already match."""
+    import json
+
+    from .heads import backbone_fingerprint
+
+    root = Path(__file__).parent / "data" / "heads"
+    fp = None
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            want = json.loads((folder / "config.json").read_text()).get("fingerprint") or {}
+        except (OSError, ValueError):
+            continue
+        shape = (want.get("architecture"), want.get("vocab_size"))
+        if shape != (backbone.model_type, backbone.args.vocab_size):
+            continue
+        fp = fp or backbone_fingerprint(backbone, tokenizer)
+        if fp == want:
+            return folder
+    return None
+
+
 def resolve_heads(model_spec: str | Path, heads):
     """What a ``heads`` argument names: ``"default"`` (:data:`DEFAULT_HEADS`) is the heads
     shipped for ``model_spec`` if there are any, else ``None``; ``"none"`` and ``None``
@@ -249,7 +274,8 @@ def load(
             a llama-architecture ``.gguf`` (converted once into ``cache_dir()``); or a
             Hugging Face repo id (fetched by mlx-lm).
         heads: ``"default"`` (:data:`DEFAULT_HEADS`, the default): the heads shipped
-            with the package for this model, or none when none ship
+            with the package for this model (also under another name: a converted copy
+            with the same weights, :func:`shipped_heads_for`), or none when none ship
             (:func:`resolve_heads`); a heads folder; a
             :class:`~mlx_stream.heads.StreamHeads` object; or ``None`` / ``"none"``:
             plain decoding through the same loop.
@@ -306,7 +332,10 @@ def load(
             hint = f"; a Hugging Face checkpoint is converted first: mlx-stream convert {path} --out FOLDER"
         raise ValueError(f"{path}: cannot load this model folder ({e}){hint}") from e
     backbone = cast_backbone(backbone, dtype)
+    default = isinstance(heads, str) and heads == DEFAULT_HEADS
     heads = resolve_heads(model, heads)
+    if default and heads is None:  # another name for a model that ships heads: the same heads
+        heads = shipped_heads_for(backbone, tokenizer)
     fp = backbone_fingerprint(backbone, tokenizer) if heads is not None or learn else None
     shipped = None
     if heads is not None and not isinstance(heads, StreamHeads):

@@ -2,9 +2,10 @@
 
 Routes (OpenAI's API; editors, chat front ends and the ``openai`` client plug in
 unchanged): ``POST /v1/chat/completions`` (messages through the chat template),
-``POST /v1/completions`` (a raw prompt), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus), and ``GET /``: a chat page (one static file, no CDN)
-that streams through the API and shades the text of accepted drafts.
+``POST /v1/completions`` (a raw prompt), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``GET /health``, ``GET /metrics`` (Prometheus; both read one count, :class:`Stats`),
+and ``GET /``: a chat page (one static file, no CDN) that streams through the API,
+shades the text of accepted drafts and can stop a reply.
 Non-streaming and streaming (server-sent events ending with ``data: [DONE]``).
 
 One model in memory; one worker thread owns it and decodes the queued requests one at
@@ -52,7 +53,6 @@ from .defaults import DEFAULT_HEADS, DEFAULT_MODEL
 ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = {  # request fields answered with a 400 rather than silently ignored
     "echo": "the prompt is not echoed",
-    "response_format": "no constrained (JSON) decoding",
     "best_of": "one completion per request",
     "suffix": "no insertion",
 }
@@ -282,6 +282,14 @@ def parse_request(body, kind: str, model_id: str, defaults: dict) -> GenRequest:
     for key, why in UNSUPPORTED.items():
         if body.get(key) not in (None, False):
             raise APIError(f"'{key}' is not supported by this server ({why})", param=key)
+    fmt = body.get("response_format")
+    # {"type": "text"} is OpenAI's default (plain text), which some clients send explicitly
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise APIError(
+            "'response_format' is not supported by this server (no constrained (JSON) decoding; "
+            'only {"type": "text"}, the default, is accepted)',
+            param="response_format",
+        )
     max_tokens = _number(body, "max_tokens", defaults["max_tokens"], lo=1, integer=True)
     max_tokens = _number(body, "max_completion_tokens", max_tokens, lo=1, integer=True)
     temp = _number(body, "temperature", defaults["temp"], lo=0)
@@ -356,16 +364,142 @@ def parse_request(body, kind: str, model_id: str, defaults: dict) -> GenRequest:
     return req
 
 
+OUTCOMES = ("served", "timed_out", "cancelled", "failed")  # how a request the engine took ended
+
+
+class Stats:
+    """The server's counts, kept in one place: the engine's worker updates them as each
+    request starts, produces its first token and ends; ``GET /health`` and ``GET /metrics``
+    both read them (under one lock), so the two always agree.
+
+    Every request that reached the engine's queue ends with exactly one outcome:
+
+    - ``served``: decoded to its end (``finish_reason`` stop or length) and answered;
+    - ``timed_out``: ended by the request timeout (answered as a length stop);
+    - ``cancelled``: its client went away first (while queued, or mid-way: the generation
+      stops after the step in progress);
+    - ``failed``: ended with an error (a prompt or chat template refused, a failure).
+
+    ``prompt_tokens`` and ``completion_tokens`` add up every request that began decoding,
+    whatever its outcome: the prompt (cached tokens included, as ``usage.prompt_tokens``)
+    and the tokens generated (for an answered request its ``usage.completion_tokens``; for
+    a cancelled one, what it generated before it stopped). ``running`` (0 or 1) and
+    ``queued`` add up to the requests submitted and not ended. Per request that generated
+    a token: time to first token, request seconds and tau histograms (their counts agree
+    once it ends).
+
+    It is a Prometheus collector: register it in a ``CollectorRegistry``.
+    """
+
+    def __init__(self):
+        from prometheus_client import Histogram
+
+        self.lock = threading.RLock()
+        self.counts = dict.fromkeys((*OUTCOMES, "prompt_tokens", "completion_tokens"), 0)
+        self.pending = 0  # submitted and not ended: the one decoding plus those queued
+        self.running = 0
+        seconds = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+        self.ttft = Histogram(
+            "mlx_stream_time_to_first_token_seconds",
+            "From the request's arrival to its first token",
+            buckets=seconds,
+            registry=None,
+        )
+        self.latency = Histogram(
+            "mlx_stream_request_seconds", "From arrival to the last token", buckets=seconds, registry=None
+        )
+        self.tau = Histogram(
+            "mlx_stream_tau",
+            "Tokens per target forward pass, per request",
+            buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0),
+            registry=None,
+        )
+        self.recent: list[float] = []  # the latest requests' seconds (Retry-After's estimate)
+
+    def submitted(self) -> None:
+        """A request joined the queue."""
+        with self.lock:
+            self.pending += 1
+
+    def started(self) -> None:
+        """The worker took a request from the queue and decodes it."""
+        with self.lock:
+            self.running = 1
+
+    def first_token(self, arrived: float) -> None:
+        """A request produced its first token (``arrived``: its ``time.monotonic()``)."""
+        with self.lock:
+            self.ttft.observe(time.monotonic() - arrived)
+
+    def ended(self, outcome: str, arrived: float, last=None) -> None:
+        """A request ended with ``outcome`` (one of :data:`OUTCOMES`); ``last``: its last
+        ``GenerationResponse`` (None if it generated nothing)."""
+        with self.lock:
+            self.counts[outcome] += 1
+            self.pending -= 1
+            self.running = 0
+            if last is not None:
+                took = time.monotonic() - arrived
+                self.counts["prompt_tokens"] += last.prompt_tokens
+                self.counts["completion_tokens"] += last.generation_tokens
+                self.latency.observe(took)
+                self.tau.observe(last.tau)
+                self.recent = (self.recent + [took])[-16:]
+
+    def snapshot(self) -> dict:
+        """The counts, ``running`` and ``queued``, as of one moment."""
+        with self.lock:
+            return dict(self.counts) | {"running": self.running, "queued": self.pending - self.running}
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: about one request's time here."""
+        with self.lock:
+            recent = sorted(self.recent)
+        return max(1, min(300, math.ceil(recent[len(recent) // 2]))) if recent else 1
+
+    def collect(self) -> list:
+        """The Prometheus metrics (the collector protocol), all as of one moment."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self.lock:
+            s = self.snapshot()
+            ended = CounterMetricFamily(
+                "mlx_stream_engine_requests",
+                "Requests the engine took from its queue, by how they ended",
+                labels=["outcome"],
+            )
+            for outcome in OUTCOMES:
+                ended.add_metric([outcome], s[outcome])
+            return [
+                ended,
+                CounterMetricFamily(
+                    "mlx_stream_prompt_tokens",
+                    "Prompt tokens of the requests decoded",
+                    value=s["prompt_tokens"],
+                ),
+                CounterMetricFamily(
+                    "mlx_stream_completion_tokens",
+                    "Tokens generated (also those of requests whose client went away)",
+                    value=s["completion_tokens"],
+                ),
+                GaugeMetricFamily("mlx_stream_queue_depth", "Requests waiting", value=s["queued"]),
+                GaugeMetricFamily("mlx_stream_running", "Requests decoding", value=s["running"]),
+                *(m for hist in (self.ttft, self.latency, self.tau) for m in hist.collect()),
+            ]
+
+
 class Job:
     """One request in the engine's queue: its events come back to the event loop.
 
     Events are ``("step", GenerationResponse)``, then ``("end", None)``, or
     ``("error", APIError)``. ``cancel()`` stops the generation after the step in
-    progress (or before it starts, if still queued).
+    progress (or before it starts, if still queued). ``arrived``: the request's arrival
+    (``time.monotonic()``; default: now), for the time to first token.
     """
 
-    def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop, arrived: float | None = None):
         self.request, self.loop = request, loop
+        self.arrived = time.monotonic() if arrived is None else arrived
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.checked = time.monotonic()  # last check that the client is still there
@@ -415,12 +549,9 @@ class Engine:
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
         self.generation, self.cache_slots, self.request_timeout = generation, cache_slots, request_timeout
-        self._pending, self._lock = 0, threading.Lock()  # jobs submitted and not finished
         self.jobs: queue.Queue = queue.Queue()
         self.model = self.tokenizer = None
-        # served / cancelled requests and tokens generated, for /health
-        self.stats = {"served": 0, "cancelled": 0, "timed_out": 0, "completion_tokens": 0}
-        self.busy = False
+        self.stats = Stats()  # what /health and /metrics report
         ready, failure = threading.Event(), []
         self.thread = threading.Thread(
             target=self._run,
@@ -434,18 +565,19 @@ class Engine:
             raise failure[0]
 
     def submit(self, job: Job) -> None:
-        with self._lock:
-            self._pending += 1
+        """Queue ``job``; its events come back through ``job.events``."""
+        self.stats.submitted()
         self.jobs.put(job)
 
     @property
     def pending(self) -> int:
         """Requests submitted and not finished: the one decoding plus those queued."""
-        return self._pending
+        return self.stats.pending
 
-    def _done(self) -> None:
-        with self._lock:
-            self._pending -= 1
+    @property
+    def busy(self) -> bool:
+        """Whether a request is decoding."""
+        return self.stats.running > 0
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -467,16 +599,11 @@ class Engine:
         self.token_bytes = token_bytes(self.tokenizer)
         ready.set()
         while (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set():
-                self.stats["cancelled"] += 1
-                self._done()
+            if job.cancelled.is_set():  # its client left while it waited
+                self.stats.ended("cancelled", job.arrived)
                 continue
-            self.busy = True
-            try:
-                self._serve(job)
-            finally:
-                self.busy = False
-                self._done()
+            self.stats.started()
+            self._serve(job)  # (ends it in the stats, whatever happens)
 
     def _prompt(self, req: GenRequest):
         if req.kind == "completion":
@@ -507,7 +634,8 @@ class Engine:
 
         req = job.request
         param = "messages" if req.kind == "chat" else "prompt"
-        gen = None
+        gen = last = None
+        outcome, final = "failed", ("error", APIError("generation failed", status=500, type="server_error"))
         try:
             try:
                 ids = encode_prompt(self.tokenizer, self._prompt(req), self.model.args.vocab_size)
@@ -521,31 +649,38 @@ class Engine:
                 prompt_cache=cache,
                 **(self.generation | req.settings),
             )
-            r, deadline = (
-                None,
-                None if self.request_timeout is None else time.monotonic() + self.request_timeout,
-            )
+            deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+            outcome = "served"
             for r in gen:
+                if last is None:
+                    self.stats.first_token(job.arrived)
+                last = r
                 job.put("step", r)
                 if job.cancelled.is_set():
+                    if r.finish_reason is None:  # (after the last step: answered in full)
+                        outcome = "cancelled"
                     break
                 if deadline is not None and r.finish_reason is None and time.monotonic() > deadline:
-                    self.stats["timed_out"] += 1
+                    outcome = "timed_out"
                     break  # answered as a length stop (the formatter ends the choice)
-            job.put("end", None)
-            self.stats["cancelled" if job.cancelled.is_set() and r.finish_reason is None else "served"] += 1
-            self.stats["completion_tokens"] += r.generation_tokens
+            final = ("end", None)
         except APIError as e:
-            job.put("error", e)
+            final = ("error", e)
         except ValueError as e:  # stream_generate's checks, before any forward pass
             code = "context_length_exceeded" if "context window" in str(e) else None
-            job.put("error", APIError(str(e), param=param if code else None, code=code))
+            final = ("error", APIError(str(e), param=param if code else None, code=code))
         except Exception as e:  # keep serving; the cache may be half updated: forget it
             self.caches[0].reset()
-            job.put("error", APIError(f"generation failed: {e}", status=500, type="server_error"))
+            final = ("error", APIError(f"generation failed: {e}", status=500, type="server_error"))
         finally:
             if gen is not None:
                 gen.close()
+            if final[0] == "error":
+                outcome = "failed"
+            # counted before the client hears the end: once it has its answer, /health and
+            # /metrics include it
+            self.stats.ended(outcome, job.arrived, last)
+            job.put(*final)
 
 
 def _token_text(tokenizer, t: int) -> str:
@@ -742,7 +877,7 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(job: Job, first, fmt: _Completions, request: Request, on_end=None) -> AsyncIterator[str]:
+async def _stream(job: Job, first, fmt: _Completions, request: Request) -> AsyncIterator[str]:
     tally = _Tally()
     event, is_first = first, True
     try:
@@ -763,8 +898,6 @@ async def _stream(job: Job, first, fmt: _Completions, request: Request, on_end=N
                 if fmt.req.include_usage and tally.last is not None:
                     yield _sse(fmt.usage_chunk(tally))
                 yield "data: [DONE]\n\n"
-                if on_end is not None:
-                    on_end(tally)
                 break
             tally.add(value)
             chunk = fmt.chunk(value, is_first)
@@ -778,53 +911,27 @@ async def _stream(job: Job, first, fmt: _Completions, request: Request, on_end=N
 
 
 class _Metrics:
-    """The server's Prometheus metrics (``GET /metrics``), in a registry of its own."""
+    """The server's Prometheus metrics (``GET /metrics``), in a registry of its own: the
+    answers by route and status (counted at the HTTP layer), and the engine's
+    :class:`Stats` (requests by outcome, tokens, queue, latency and tau)."""
 
     def __init__(self, engine: Engine):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter
 
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "mlx_stream_requests",
-            "HTTP requests answered, by route and status",
+            "HTTP requests answered, by route and status (499: the client left before the answer)",
             ["route", "status"],
             registry=r,
         )
-        self.tokens = Counter("mlx_stream_completion_tokens", "Tokens generated", registry=r)
-        seconds = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
-        self.ttft = Histogram(
-            "mlx_stream_time_to_first_token_seconds",
-            "From the request's arrival to its first token",
-            buckets=seconds,
-            registry=r,
-        )
-        self.latency = Histogram(
-            "mlx_stream_request_seconds", "From arrival to the last token", buckets=seconds, registry=r
-        )
-        self.tau = Histogram(
-            "mlx_stream_tau",
-            "Tokens per target forward pass, per request",
-            buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0),
-            registry=r,
-        )
-        Gauge("mlx_stream_queue_depth", "Requests waiting", registry=r).set_function(
-            lambda: max(engine.pending - int(engine.busy), 0)
-        )
-        Gauge("mlx_stream_running", "Requests decoding", registry=r).set_function(lambda: int(engine.busy))
-        self.recent: list[float] = []  # the latest requests' seconds (Retry-After's estimate)
+        r.register(engine.stats)  # its counts are read as /health reads them, at one moment
 
-    def finished(self, tally: _Tally, started: float) -> None:
-        if tally.last is None:
-            return
-        took = time.monotonic() - started
-        self.tokens.inc(tally.last.generation_tokens)
-        self.latency.observe(took)
-        self.tau.observe(tally.last.tau)
-        self.recent = (self.recent + [took])[-16:]
+    def render(self) -> bytes:
+        """The Prometheus text format."""
+        from prometheus_client import generate_latest
 
-    def retry_after(self) -> int:
-        """Seconds a refused client should wait: about one request's time here."""
-        return max(1, min(300, math.ceil(sorted(self.recent)[len(self.recent) // 2]))) if self.recent else 1
+        return generate_latest(self.registry)
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -838,6 +945,7 @@ class _Guard:
     # ASGI middleware in front of every route: the API key (401 before anything is read)
     # and the count of answers by route and status
     routes = ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/v1/models")
+    model_route = "/v1/models/{id}"  # GET /v1/models/ID, counted under one label
 
     def __init__(self, app, limits: ServerLimits, metrics: _Metrics):
         self.app, self.limits, self.metrics = app, limits, metrics
@@ -847,6 +955,8 @@ class _Guard:
             return await self.app(scope, receive, send)
         path, status = scope["path"], {}
         route = path if path in self.routes + OPEN_ROUTES + ("/metrics",) else "other"
+        if path.startswith("/v1/models/"):
+            route = self.model_route
 
         async def send_status(message):
             if message["type"] == "http.response.start":
@@ -931,7 +1041,7 @@ def create_app(
                 status=503,
                 type="server_error",
                 code="server_overloaded",
-                headers={"Retry-After": str(metrics.retry_after())},
+                headers={"Retry-After": str(engine.stats.retry_after())},
             )
         req = parse_request(await body_of(request), kind, model_id, defaults)
         if ctx is not None and _prompt_chars(req) > ctx * MAX_CHARS_PER_TOKEN:
@@ -941,18 +1051,18 @@ def create_app(
                 param="messages" if kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )
-        job = Job(req, asyncio.get_running_loop())
+        # (the engine counts the request, its tokens and times: Stats, what /health and /metrics read)
+        job = Job(req, asyncio.get_running_loop(), arrived=started)
         engine.submit(job)
         first = await _next_event(job, request)
         if first is None:
             return JSONResponse({}, status_code=499)  # the client is gone
         if first[0] == "error":
             raise first[1]
-        metrics.ttft.observe(time.monotonic() - started)
         fmt = _Completions(req, engine.tokenizer, engine.token_bytes)
         if req.stream:
             return StreamingResponse(
-                _stream(job, first, fmt, request, lambda tally: metrics.finished(tally, started)),
+                _stream(job, first, fmt, request),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -965,7 +1075,6 @@ def create_app(
             return JSONResponse({}, status_code=499)
         if event[0] == "error":
             raise event[1]
-        metrics.finished(tally, started)
         return JSONResponse(fmt.whole(tally, rs))
 
     async def chat_completions(request: Request):
@@ -974,25 +1083,33 @@ def create_app(
     async def completions(request: Request):
         return await complete(request, "completion")
 
+    model_object = {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-stream"}
+
     async def models(request: Request):
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-stream"}],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [model_object]})
+
+    async def model_info(request: Request):
+        # GET /v1/models/ID (the client's models.retrieve); the id may hold slashes (a path)
+        if request.path_params["model"] not in (model_id, "default_model"):
+            raise APIError(
+                f"The model '{request.path_params['model']}' does not exist; this server serves "
+                f"'{model_id}' (GET /v1/models)",
+                status=404,
+                code="model_not_found",
+            )
+        return JSONResponse(model_object)
 
     async def health(request: Request):
-        running = int(engine.busy)
+        s = engine.stats.snapshot()  # the numbers /metrics reports, from one moment
         return JSONResponse(
             {
                 "status": "ok",
                 "model": model_id,
-                "busy": engine.busy,
-                "running": running,
-                "queued": max(engine.pending - running, 0),
+                "busy": s["running"] > 0,
+                "running": s["running"],
+                "queued": s["queued"],
                 "max_queue": limits.max_queue,
-                "requests": dict(engine.stats),
+                "requests": {k: s[k] for k in (*OUTCOMES, "prompt_tokens", "completion_tokens")},
             }
         )
 
@@ -1002,9 +1119,9 @@ def create_app(
         return HTMLResponse(files("mlx_stream").joinpath("data/chat.html").read_text(encoding="utf-8"))
 
     async def metrics_route(request: Request):
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def api_error(request: Request, exc: APIError):
         return exc.response()
@@ -1028,6 +1145,7 @@ def create_app(
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model_info, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),
             Route("/", chat_page, methods=["GET"]),

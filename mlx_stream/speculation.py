@@ -333,8 +333,9 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
         if tree is not None:
             raise ValueError("pass either num_draft_tokens (a chain) or a tree for the draft model, not both")
         k = num_draft_tokens
+        p_min = _p_min(draft, chain=True)
         return DraftPlan(
-            "draft", budget=k + 1, width=1, depth=k, p_min=_p_min(draft), draft=draft, expand=1, **common
+            "draft", budget=k + 1, width=1, depth=k, p_min=p_min, draft=draft, expand=1, **common
         )
     budget, width, depth = DRAFT_TREE
     dyn = dynamic_spec(tree)
@@ -367,9 +368,13 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
     )
 
 
-def _p_min(draft) -> float:
+def _p_min(draft, chain: bool = False) -> float:
+    from .draft_model import P_MIN
+
     check_p_min(draft.p_min)  # an attribute a caller may set
-    return float(draft.p_min or 0.0)
+    if draft.p_min is None:  # an explicit chain of K drafts K (mlx-lm's num_draft_tokens)
+        return 0.0 if chain else P_MIN
+    return float(draft.p_min)
 
 
 def build_drafter(model, plan: DraftPlan, costs=None, draft_cache=None) -> Drafter:

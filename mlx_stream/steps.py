@@ -102,9 +102,14 @@ def check_kv(kv: KVSettings, head_dim: int | None = None) -> None:
     if not is_int(kv.start) or kv.start < 0:
         raise ValueError(f"quantized_kv_start must be an integer >= 0, got {kv.start!r}")
     if kv.bits is not None and head_dim is not None and head_dim % kv.group_size:
+        fits = [str(g) for g in KV_GROUP_SIZES if head_dim % g == 0]
         raise ValueError(
             f"kv_group_size {kv.group_size} does not divide this model's head dimension {head_dim}; "
-            f"use one of {', '.join(str(g) for g in KV_GROUP_SIZES if head_dim % g == 0) or 'none'}"
+            + (
+                f"use one of {', '.join(fits)}"
+                if fits
+                else "no quantization group fits it, so its KV cache cannot be quantized: leave out kv_bits"
+            )
         )
     if kv.bits is not None and kv.max_kv_size is not None:
         raise ValueError(

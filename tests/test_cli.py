@@ -634,3 +634,56 @@ def test_generate_refuses_tree_ranks_past_the_vocabulary_in_one_line(tiny_dir, t
     r = run("generate", "-p", "hi", "--model", str(tiny_dir), "--heads", str(heads), "--tree", "8192")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"largest allowed is {v - 1}" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# Issue 48's sweep: every option either takes effect or is refused. Each row: a command line
+# in which an option would have been ignored, and the words of the one-line refusal.
+IGNORED = [
+    (["generate", "--heads", "x", "--no-heads"], "contradict each other"),
+    (["generate", "--heads", "x", "--draft-model", "self"], "leave out --heads x"),
+    (["generate", "--no-heads", "--draft-model", "self"], "leave out --no-heads"),
+    (["generate", "--no-heads", "--tree", "0;1"], "no heads are loaded"),
+    (["generate", "--tree", "auto"], "has no heads"),  # the tiny model ships none
+    (["chat", "--tree", "chain"], "has no heads"),
+    (["generate", "--kv-group-size", "32"], "add --kv-bits"),
+    (["generate", "--quantized-kv-start", "0"], "add --kv-bits"),
+    (["generate", "--logprobs"], "add --json"),
+    (["generate", "--raw", "--system", "x"], "leave out --raw"),
+    (["cache-prompt", "--system", "x", "--out", "F.safetensors", "--kv-group-size", "32"], "add --kv-bits"),
+    (["server", "--heads", "x", "--draft-model", "self"], "leave out --heads x"),
+    (["server", "--heads", "none", "--tree", "chain"], "no heads are loaded"),
+    (["bench", "--drafter", "oracle", "--heads", "x"], "leave out --heads x"),
+    (["bench", "--drafter", "oracle", "--prompt-lookup", "4"], "leave out --prompt-lookup"),
+    (["bench", "--prompts", "spec-bench", "-n", "4"], "use --per-group"),
+    (["bench", "--per-group", "2"], "only with --prompts spec-bench"),
+    (["bench", "--heads", "none", "--tree", "chain"], "no heads are loaded"),
+    (["eval-heads", "--replay", "--workers", "2"], "mlx.launch"),
+    (["convert", "smollm2-135m-instruct", "--out", "OUT", "--q-bits", "8"], "add -q"),
+    (["train", "--out", "OUT", "--data", "d.jsonl", "--synthesize", "10"], "pass one of them"),
+    (["train", "--out", "OUT", "--soft-targets", "8"], "--kl-weight > 0"),
+    (["train", "--out", "OUT", "--architecture", "eagle", "--batch-size", "64"], "not used by eagle heads"),
+]
+
+
+@pytest.mark.parametrize("args,msg", IGNORED, ids=[" ".join(a) for a, _ in IGNORED])
+def test_an_option_that_would_be_ignored_is_refused_in_one_line(tiny_dir, tmp_path, args, msg):
+    args = [str(tmp_path / a) if a in ("F.safetensors", "OUT") else a for a in args]
+    model = [] if args[0] in ("convert",) else ["--model", str(tiny_dir)]
+    prompt = ["-p", "hi"] if args[0] == "generate" else []
+    r = run(*args, *model, *prompt, input="")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("error:")]) == 1, r.stderr
+
+
+def test_sampling_options_with_greedy_decoding_are_said_to_do_nothing(tiny_dir):
+    """As mlx-lm, --top-p/--top-k/--min-p/--seed are accepted at --temp 0, with one note."""
+    r = run(
+        "generate", "-p", "hi", "--model", str(tiny_dir), "--max-tokens", "3", "--seed", "1", "--top-k", "5"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "note: --top-k, --seed apply only when sampling (--temp > 0)" in r.stderr
+    r = run(
+        "generate", "-p", "hi", "--model", str(tiny_dir), "--max-tokens", "3", "--temp", "0.5", "--seed", "1"
+    )
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr

@@ -215,3 +215,22 @@ def test_the_api_speculates_by_default():
     assert model.heads is not None and model.heads.config.tree
     plain, _ = load("smollm2-135m-instruct", heads=None, dtype="float32")
     assert plain.heads is None
+
+
+def test_a_copy_of_a_model_that_ships_heads_gets_them(tiny, tmp_path):
+    """Issue 48: the default model under another name (its converted folder, here linked
+    into a new one) loads with the shipped heads, as the alias does: the fingerprint (same
+    weights, same tokenizer) matches; a model of other weights gets none."""
+    from mlx_stream.loader import default_heads_path, resolve_model_path, shipped_heads_for
+
+    src = resolve_model_path("smollm2-135m-instruct")
+    copy = tmp_path / "my-smollm2"
+    copy.mkdir()
+    for f in src.iterdir():
+        (copy / f.name).symlink_to(f)
+    model, tok = load(str(copy))
+    shipped = default_heads_path("smollm2-135m-instruct")
+    assert model.heads is not None and shipped_heads_for(model.backbone, tok) == shipped
+    assert model.datastore is not None  # the datastore shipped beside the heads too
+    assert load(str(copy), heads="none")[0].heads is None
+    assert tiny[0].heads is None and shipped_heads_for(tiny[0].backbone, tiny[1]) is None

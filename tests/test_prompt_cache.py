@@ -181,3 +181,29 @@ def test_a_prompt_cache_file_must_be_the_start_of_the_prompt_built(tiny_dir, tmp
         text=True,
     )
     assert r.returncode == 2 and "made with another system prompt" in r.stderr, r.stderr
+
+
+def test_a_quantized_prompt_cache_file_needs_the_same_kv_bits(tiny_dir, tmp_path):
+    """Issue 48: a file quantized with --kv-bits 8 used to be dropped silently (the whole
+    prompt prefilled again) by a run without --kv-bits: refused in one line naming what to
+    pass; with those options it is reused."""
+    from conftest import make_tiny_model_dir
+
+    base = [sys.executable, "-m", "mlx_stream.cli"]
+    model = ["--model", str(tiny_dir)]
+
+    def cli(*args):
+        return subprocess.run([*base, *args, *model], capture_output=True, text=True, timeout=600)
+
+    f = str(tmp_path / "q8.safetensors")
+    r = cli("cache-prompt", "--system", DOC, "--kv-bits", "8", "--out", f)  # head dimension 16
+    assert r.returncode == 2 and "cannot be quantized: leave out kv_bits" in r.stderr, r.stderr
+    model = ["--model", str(make_tiny_model_dir(tmp_path / "wide", hidden=128, heads=2))]
+    assert cli("cache-prompt", "--system", DOC, "--kv-bits", "8", "--out", f).returncode == 0
+    gen = ["generate", "-p", "Hello", "--max-tokens", "4", "--json", "--no-heads", "--prompt-cache-file", f]
+    r = cli(*gen)
+    assert r.returncode == 2 and "pass --kv-bits 8 --kv-group-size 64" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = cli(*gen, "--kv-bits", "8")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["cached_tokens"] > 0

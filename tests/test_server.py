@@ -91,7 +91,11 @@ def long_server(tmp_path_factory):
     from conftest import make_tiny_model_dir
 
     s = Server(
-        str(make_tiny_model_dir(tmp_path_factory.mktemp("long") / "model", context=8192)), "--heads", "none"
+        str(make_tiny_model_dir(tmp_path_factory.mktemp("long") / "model", context=8192)),
+        "--heads",
+        "none",
+        "--max-tokens",
+        "4000",  # for requests that give none: the chat page's
     )
     yield s
     s.close()
@@ -489,19 +493,35 @@ def test_logprob_bytes_rebuild_multibyte_text():
     assert pieces[0].startswith("bytes:\\x") and pieces[-1] == "!"
 
 
-def _browser():
+def _browser(profile: Path):
+    """Headless Debian chromium through selenium, with a fresh profile in ``profile``;
+    skips the test where chromium, chromedriver or selenium is absent."""
     import shutil
 
     chrome = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     driver = shutil.which("chromedriver")
     if not (chrome and driver):
         pytest.skip("no chromium + chromedriver here (make setup installs Debian's on Linux with apt)")
+    pytest.importorskip("selenium", reason="selenium is not installed (pip install -e '.[test]')")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = chrome
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1000,700"):
+    flags = (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        # nothing but the page under test: no update checks, sync or first-run pages
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--window-size=1000,700",
+    )
+    for flag in flags:
         opts.add_argument(flag)
     return webdriver.Chrome(service=Service(driver), options=opts)
 
@@ -516,7 +536,7 @@ def test_the_chat_page_streams_an_answer_and_marks_the_drafts(tiny_dir, tmp_path
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser = _browser()
+    browser = _browser(tmp_path / "profile")
     os.environ["MLX_STREAM_CACHE"], before = str(tmp_path / "cache"), os.environ.get("MLX_STREAM_CACHE")
     try:
         s = Server(str(tiny_dir), "--draft-model", str(tiny_dir), "--num-draft-tokens", "3", "--api-key", KEY)
@@ -550,3 +570,185 @@ def test_the_chat_page_streams_an_answer_and_marks_the_drafts(tiny_dir, tmp_path
     finally:
         browser.quit()
         s.close()
+
+
+# the bodies the page posts to the API, recorded in the page (window.sent) as it sends them
+RECORD_REQUESTS = """
+window.sent = [];
+const fetched = window.fetch;
+window.fetch = (url, opts) => {
+  if (String(url).includes("/chat/completions")) window.sent.push(JSON.parse(opts.body));
+  return fetched(url, opts);
+};
+"""
+
+
+def test_the_chat_page_answers_one_turn_at_a_time_and_stops(long_server, tmp_path):
+    """The page at / in headless chromium, a reply of up to 4,000 tokens (seconds): Enter
+    while it streams sends nothing, Stop ends it (the button says Send again, the server
+    frees the worker), the partial reply stays as the assistant turn, and the next turn's
+    request carries user / assistant / user. Screenshots: runs/screenshots/chat_page_*.png."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    s = long_server
+    browser = _browser(tmp_path / "profile")
+    shots = Path(__file__).resolve().parent.parent / "runs" / "screenshots"
+    shots.mkdir(parents=True, exist_ok=True)
+    try:
+        browser.get(s.url + "/")
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == s.model)
+        browser.execute_script(RECORD_REQUESTS)
+        box, button = browser.find_element(By.ID, "input"), browser.find_element(By.ID, "send")
+        before = s.health()["requests"]
+        box.send_keys("The quick brown fox", Keys.ENTER, Keys.ENTER)  # Enter twice at once
+        WebDriverWait(browser, 30).until(
+            lambda b: b.find_elements(By.CSS_SELECTOR, ".turn.assistant span")
+        )  # streaming
+        box.send_keys("Tell me more", Keys.ENTER)  # Enter while the reply streams: nothing goes out
+        time.sleep(0.2)  # (a request would have gone out at once: the page sends as Enter is handled)
+        assert browser.execute_script("return window.sent.length") == 1
+        assert button.text == "Stop"
+        assert len(browser.find_elements(By.CSS_SELECTOR, ".turn.user")) == 1
+        assert box.get_attribute("value") == "Tell me more"  # kept for when the reply is done
+        button.click()  # Stop
+        reply = WebDriverWait(browser, 10).until(
+            lambda b: b.find_element(By.CSS_SELECTOR, ".turn.assistant[data-done='1']")
+        )
+        assert button.text == "Send"
+        assert browser.save_screenshot(str(shots / "chat_page_stopped.png"))
+        partial = browser.execute_script("return conversation[1].content")
+        time.sleep(0.5)
+        assert browser.execute_script("return conversation[1].content") == partial  # stopped growing
+        assert partial and len(reply.find_elements(By.TAG_NAME, "span")) < 4000
+        roles = browser.execute_script("return conversation.map((m) => m.role)")
+        assert roles == ["user", "assistant"]
+        h = _wait_cancelled(s, before)  # the server let the request go
+        assert h["requests"]["cancelled"] == before["cancelled"] + 1 and not h["busy"]
+        # the next turn carries the stopped reply as the assistant turn
+        box.send_keys(Keys.ENTER)
+        WebDriverWait(browser, 10).until(lambda b: b.execute_script("return window.sent.length") == 2)
+        sent = browser.execute_script("return window.sent[1].messages")
+        assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+        assert [m["content"] for m in sent] == ["The quick brown fox", partial, "Tell me more"]
+        second = "return document.querySelectorAll('.turn.assistant')[1].querySelectorAll('span').length"
+        WebDriverWait(browser, 30).until(lambda b: b.execute_script(second) > 0)  # streaming
+        button.click()
+        WebDriverWait(browser, 10).until(lambda b: b.find_element(By.ID, "send").text == "Send")
+        roles = browser.execute_script("return conversation.map((m) => m.role)")
+        assert roles == ["user", "assistant", "user", "assistant"]
+        assert browser.save_screenshot(str(shots / "chat_page_history.png"))
+        # a refused turn (a prompt too long for the context window) leaves no dangling user turn
+        browser.execute_script("document.getElementById('input').value = 'fox '.repeat(140000)")
+        box.send_keys(Keys.ENTER)
+        WebDriverWait(browser, 30).until(lambda b: b.find_elements(By.CSS_SELECTOR, ".turn .error"))
+        WebDriverWait(browser, 10).until(lambda b: b.find_element(By.ID, "send").text == "Send")
+        assert browser.execute_script("return conversation.map((m) => m.role)") == roles
+    finally:
+        browser.quit()
+
+
+def test_response_format_text_and_model_retrieve(server):
+    """``response_format: {"type": "text"}`` (OpenAI's default) is a no-op; JSON modes are
+    still refused. ``GET /v1/models/{id}``: the client's ``models.retrieve``."""
+    import openai
+
+    kw = {"model": server.model, "messages": MESSAGES, "max_tokens": 12}
+    plain = server.client.chat.completions.create(**kw).choices[0].message.content
+    text = server.client.chat.completions.create(response_format={"type": "text"}, **kw)
+    assert text.choices[0].message.content == plain
+    r = server.client.completions.create(
+        model=server.model, prompt="x", max_tokens=3, extra_body={"response_format": {"type": "text"}}
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}, "text"):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**kw, "response_format": fmt}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "response_format" and "JSON" in err["message"], err
+    m = server.client.models.retrieve(server.model)  # the id is a path here: '/' quoted as %2F
+    assert m.id == server.model and m.object == "model" and m.owned_by == "mlx-stream"
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("gpt-4")
+    r = httpx.get(server.url + "/v1/models/gpt-4", timeout=5)
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert (
+        err["code"] == "model_not_found"
+        and err["type"] == "invalid_request_error"
+        and "gpt-4" in err["message"]
+    )
+
+
+def _metrics(server) -> dict:
+    """/metrics as {(name, ((label, value), ...)): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_health_and_metrics_count_the_same(long_server):
+    """One count behind /health and /metrics: after a request, a streamed one, a streamed one
+    dropped mid-way and two errors, both report the same requests and tokens, which add up to
+    the usage the answers reported plus what the dropped request generated."""
+    s = long_server
+    h0, m0 = s.health(), _metrics(s)
+    prompt = "The quick brown fox"
+    whole = s.client.completions.create(model=s.model, prompt=prompt, max_tokens=20)
+    chunks = list(
+        s.client.completions.create(
+            model=s.model, prompt=prompt, max_tokens=30, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    streamed = chunks[-1].usage
+    seen = 0  # tokens the dropped request's client received
+    body = {"prompt": prompt, "max_tokens": 4000, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                seen += json.loads(line[6:])["mlx_stream"]["tokens"]
+            if seen >= 8:
+                break
+    h = _wait_cancelled(s, h0["requests"])
+    # refused by the engine (a token id outside the vocabulary), and before it (bad JSON)
+    r = httpx.post(s.url + "/v1/completions", json={"prompt": [100000], "max_tokens": 3}, timeout=30)
+    assert r.status_code == 400
+    r = httpx.post(s.url + "/v1/completions", content=b"{", timeout=30)
+    assert r.status_code == 400
+
+    def route(m, status):
+        key = ("mlx_stream_requests_total", (("route", "/v1/completions"), ("status", status)))
+        return m.get(key, 0.0) - m0.get(key, 0.0)
+
+    deadline = time.monotonic() + 10
+    while route(m := _metrics(s), "200") < 3 and time.monotonic() < deadline:  # the dropped one's answer
+        time.sleep(0.05)
+    h = s.health()
+    dh = {k: h["requests"][k] - h0["requests"].get(k, 0) for k in h["requests"]}
+
+    def dm(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return m.get(key, 0.0) - m0.get(key, 0.0)
+
+    assert dh["served"] == 2 and dh["cancelled"] == 1 and dh["failed"] == 1 and dh["timed_out"] == 0, dh
+    for outcome in ("served", "cancelled", "failed", "timed_out"):
+        assert dm("mlx_stream_engine_requests_total", outcome=outcome) == dh[outcome], outcome
+    assert route(m, "200") == 3 and route(m, "400") == 2
+    dropped = dh["completion_tokens"] - whole.usage.completion_tokens - streamed.completion_tokens
+    assert seen <= dropped < 4000
+    assert dm("mlx_stream_completion_tokens_total") == dh["completion_tokens"]
+    assert (
+        dh["prompt_tokens"] == whole.usage.prompt_tokens + streamed.prompt_tokens + whole.usage.prompt_tokens
+    )
+    assert dm("mlx_stream_prompt_tokens_total") == dh["prompt_tokens"]
+    # the three requests that generated tokens, in every per-request histogram
+    for hist in ("mlx_stream_time_to_first_token_seconds", "mlx_stream_request_seconds", "mlx_stream_tau"):
+        assert dm(hist + "_count") == 3, hist
+    assert h["running"] == h["queued"] == 0 and not h["busy"]
+    assert m[("mlx_stream_running", ())] == m[("mlx_stream_queue_depth", ())] == 0

@@ -42,9 +42,9 @@ def backbone_fingerprint(backbone, tokenizer) -> dict:
     digits) and ``weights`` (sha256 of the output projection rounded to float16, so
     the same weights quantised or not give the same value, first 16 hex digits).
     """
-    from mlx_stream.models import family
+    from mlx_stream.models import family, text_args
 
-    args = backbone.args
+    args = text_args(backbone)
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     tok_hash = hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
     w = np.array(output_weight(backbone).astype(mx.float16))
@@ -89,7 +89,7 @@ def new_heads(
         ValueError: an unknown ``architecture``, ``num_heads``/``num_layers`` < 1,
             more ``stream_layers`` than the backbone has, or a fuse layer outside it.
     """
-    from mlx_stream.models import family
+    from mlx_stream.models import family, text_args
 
     fam = family(backbone)
     if architecture == "msa" and not hasattr(fam, "stream_hidden"):
@@ -112,7 +112,7 @@ def new_heads(
         layer_spec=spec,
         num_heads=num_heads,
         hidden_size=fam.state_size(backbone),
-        vocab_size=int(backbone.args.vocab_size),
+        vocab_size=int(text_args(backbone).vocab_size),
         architecture=architecture,
         num_layers=num_layers,
         stream_layers=stream_layers,

@@ -28,8 +28,46 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 SINK_TOKENS = 4  # mlx-lm's RotatingKVCache(max_kv_size, keep=4) in make_prompt_cache
 
 
-class TreeKVCache(KVCache):
-    """mlx-lm's :class:`~mlx_lm.models.cache.KVCache` plus :meth:`keep`.
+class TreeMask:
+    """The attention mask of a draft tree, answered to a model's own ``cache.make_mask``.
+
+    Almost every mlx-lm model builds its masks through ``cache.make_mask(N, return_array=,
+    window_size=)``; while :attr:`tree` is set (:func:`mlx_stream.models.generic` sets it
+    for one forward), that call returns the tree's mask instead of a causal one: the cached
+    prefix plus each node's ancestors, narrowed to ``window_size`` where a sliding-window
+    layer asks for one. Mixed into every KV cache class here.
+
+    Attributes:
+        tree: ``(mask, positions)``: ``mask`` bool ``(N, S)`` over the held entries and the
+            N nodes (None: every node sees everything), ``positions`` int32 ``(N,)`` the
+            nodes' absolute positions; None outside a tree forward.
+    """
+
+    tree: tuple[mx.array | None, mx.array] | None = None
+
+    def held_positions(self) -> np.ndarray:
+        """Absolute position of every held entry, in order."""
+        return np.arange(self.offset)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if self.tree is None:
+            return super().make_mask(N, return_array=return_array, window_size=window_size)
+        mask, positions = self.tree
+        held = self.held_positions()
+        if mask is not None and mask.shape[1] != len(held) + N:
+            # caches that hold different entries (sliding-window layers beside full ones): the
+            # tree's part of the mask, after every held entry (no step is queued ahead on them)
+            mask = mx.concatenate([mx.ones((N, len(held)), dtype=mx.bool_), mask[:, -N:]], axis=1)
+        if window_size is None:
+            return mask
+        keys = mx.concatenate([mx.array(held, dtype=mx.int32), positions])
+        near = positions[:, None] - keys[None] < window_size
+        return near if mask is None else mask & near
+
+
+class TreeKVCache(TreeMask, KVCache):
+    """mlx-lm's :class:`~mlx_lm.models.cache.KVCache` plus :meth:`keep` and a draft
+    tree's mask (:class:`TreeMask`).
 
     Keys/values: ``(B, n_kv_heads, capacity, head_dim)``, valid up to ``offset``.
     """
@@ -62,7 +100,7 @@ class TreeKVCache(KVCache):
         return q
 
 
-class TreeQuantizedKVCache(QuantizedKVCache):
+class TreeQuantizedKVCache(TreeMask, QuantizedKVCache):
     """mlx-lm's :class:`~mlx_lm.models.cache.QuantizedKVCache` plus :meth:`keep`.
 
     Keys/values: tuples ``(packed uint32, scales, biases)``, each
@@ -83,7 +121,7 @@ class TreeQuantizedKVCache(QuantizedKVCache):
         self.offset = start + n
 
 
-class WindowKVCache:
+class WindowKVCache(TreeMask):
     """A bounded KV cache with the attention of mlx-lm's ``RotatingKVCache(max_size,
     keep=4)`` (``max_kv_size``), that a tree step can rewind.
 
@@ -105,7 +143,7 @@ class WindowKVCache:
     """
 
     def __init__(self, max_size: int, keep: int = SINK_TOKENS, slack: int = 64):
-        if max_size <= keep:
+        if max_size <= keep or max_size < 1:
             raise ValueError(f"max_kv_size must be > {keep} (the attention sinks kept), got {max_size}")
         self.max_size, self.keep_first, self.slack = max_size, keep, slack
         self.keys = self.values = None
@@ -160,10 +198,17 @@ class WindowKVCache:
         return n
 
     def rewindable_to(self, length: int) -> bool:
-        """Whether trimming back to ``length`` tokens gives what a cold start would:
-        only while the window has never been full (else the held entries were
-        computed with a window that a cold prefill would apply differently)."""
-        return length >= self.offset or (self.dropped == 0 and self.offset < self.max_size)
+        """Whether trimming back to ``length`` tokens gives what a cold start would. With
+        attention sinks (``keep > 0``, ``max_kv_size``), only while the window has never
+        been full (else the held entries were computed with a window that a cold prefill
+        would apply differently); a plain sliding window (``keep=0``, a model's own
+        windowed layers) sees the same positions either way: while the entries the next
+        token needs are still held."""
+        if length >= self.offset:
+            return True
+        if self.keep_first == 0:
+            return max(length - self.window + 1, 0) >= self.dropped
+        return self.dropped == 0 and self.offset < self.max_size
 
     def keep(self, start: int, nodes: Sequence[int]) -> None:
         """As :meth:`TreeKVCache.keep` (``start``: the root's absolute position), then
@@ -209,7 +254,10 @@ class WindowKVCache:
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         """mlx-lm's attention for N tokens at once (a prefill chunk: its
         ``RotatingKVCache._update_concat`` and window mask), or one token (in place),
-        over the held entries and the N new ones: ``(N, held + N)`` bool, or None."""
+        over the held entries and the N new ones: ``(N, held + N)`` bool, or None; a
+        draft tree's while one is set (:class:`TreeMask`)."""
+        if self.tree is not None:
+            return TreeMask.make_mask(self, N, return_array, window_size)
         if N == 1:
             return self.tree_mask(np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool))
         c, M, k = self.offset, self.max_size, self.keep_first
@@ -223,25 +271,49 @@ class WindowKVCache:
         return mx.array(see)
 
 
+def cache_kinds(backbone) -> list:
+    """The caches an mlx-lm model asks for, one per cache entry (``make_cache()``; one
+    ``KVCache`` per layer where the model has no ``make_cache``)."""
+    if hasattr(backbone, "make_cache"):
+        return list(backbone.make_cache())
+    return [KVCache() for _ in backbone.layers]
+
+
 def make_tree_cache(backbone, max_kv_size: int | None = None) -> list:
-    """One :class:`TreeKVCache` per layer of an mlx-lm model, or with ``max_kv_size``
-    one :class:`WindowKVCache` of that size per layer.
+    """One :class:`TreeKVCache` per cache entry of an mlx-lm model, or with
+    ``max_kv_size`` one :class:`WindowKVCache` of that size per entry.
+
+    A sliding-window layer (mlx-lm's ``RotatingKVCache(window, keep=0)``) gets a
+    :class:`WindowKVCache` of that window without sinks: its entries stay in order a little
+    past the window (bounded memory) and the window is applied by the mask, so a rejected
+    draft can be rewound (mlx-lm's own rotating cache cannot trim once it wraps).
 
     Raises:
-        ValueError: the model asks for caches that cannot be rewound (sliding-window
-            ``RotatingKVCache``, state-space ``MambaCache``, ...), named in the message.
+        ValueError: the model asks for caches that cannot be rewound (state-space
+            ``ArraysCache``/``MambaCache``, ``CacheList``, ``ChunkedKVCache``, ...), named
+            in the message; or ``max_kv_size`` on a model with sliding-window layers.
     """
-    if hasattr(backbone, "make_cache"):
-        kinds = {type(c).__name__ for c in backbone.make_cache()}
-        bad = kinds - {"KVCache"}
-        if bad:
-            raise ValueError(
-                f"this model uses {', '.join(sorted(bad))}, which cannot be rewound after a "
-                "rejected draft; tree decoding needs plain KVCache layers"
-            )
+    kinds = cache_kinds(backbone)
+    names = {type(c).__name__ for c in kinds}
+    bad = names - {"KVCache", "RotatingKVCache"}
+    if any(type(c).__name__ == "RotatingKVCache" and c.keep for c in kinds):
+        bad.add("RotatingKVCache with attention sinks")
+    if bad:
+        raise ValueError(
+            f"this model uses {', '.join(sorted(bad))}, which cannot be rewound after a "
+            "rejected draft; tree decoding needs key/value caches"
+        )
     if max_kv_size is not None:
-        return [WindowKVCache(max_kv_size) for _ in backbone.layers]
-    return [TreeKVCache() for _ in backbone.layers]
+        if "RotatingKVCache" in names:
+            raise ValueError(
+                "max_kv_size: this model's sliding-window layers already bound their caches "
+                "(mlx-lm ignores max_kv_size for it too); leave out max_kv_size"
+            )
+        return [WindowKVCache(max_kv_size) for _ in kinds]
+    return [
+        WindowKVCache(c.max_size, keep=0) if type(c).__name__ == "RotatingKVCache" else TreeKVCache()
+        for c in kinds
+    ]
 
 
 def quantize_cache(cache: list, bits: int | None, group_size: int, start: int) -> None:
@@ -257,14 +329,29 @@ def quantize_cache(cache: list, bits: int | None, group_size: int, start: int) -
 
 def attention_mask(cache: list, depths: np.ndarray, ancestors: np.ndarray) -> mx.array | None:
     """The mask of a tree step over the cached prefix plus the tree: ``(N, S)`` bool
-    (S = held entries + N), or None for a single node that sees everything."""
-    c = cache[0]
+    (S = held entries + N), or None for a single node that sees everything. Over a full
+    layer where the model mixes them with sliding-window ones (whose masks are narrowed
+    from it by :class:`TreeMask`)."""
+    c = next((x for x in cache if not isinstance(x, WindowKVCache)), cache[0])
     if isinstance(c, WindowKVCache):
         return c.tree_mask(depths, ancestors)
     n = len(depths)
     if n == 1:
         return None
     return mx.concatenate([mx.ones((n, c.offset), dtype=mx.bool_), mx.array(ancestors)], axis=1)
+
+
+def can_rewind(cache: Sequence, length: int) -> bool:
+    """Whether trimming every layer back to ``length`` tokens gives what a fresh prefill
+    would (:meth:`WindowKVCache.rewindable_to` on bounded layers; always for the others)."""
+    return all(c.rewindable_to(length) for c in cache if isinstance(c, WindowKVCache))
+
+
+def evict(cache: Sequence) -> None:
+    """:meth:`WindowKVCache.evict` on every bounded layer."""
+    for c in cache:
+        if isinstance(c, WindowKVCache):
+            c.evict()
 
 
 def cache_offset(cache: Sequence[TreeKVCache]) -> int:

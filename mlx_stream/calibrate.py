@@ -53,6 +53,13 @@ def layer_subset(backbone, keep: Sequence[int]):
     layers = getattr(getattr(backbone, "model", None), "layers", None)
     if layers is None:
         raise ValueError("self-speculative drafting needs a llama-family model (model.layers)")
+    from .cache import cache_kinds
+
+    if any(type(c).__name__ != "KVCache" for c in cache_kinds(backbone)):
+        raise ValueError(
+            f"self-speculative drafting skips layers, and {backbone.model_type!r} lays out its caches by "
+            "layer (sliding windows, shared or latent caches): use a draft model or heads with it"
+        )
     keep = list(keep)
     if not keep or keep != sorted(set(keep)) or keep[0] < 0 or keep[-1] >= len(layers):
         raise ValueError(f"keep must be increasing layer indices in 0..{len(layers) - 1}, got {keep}")

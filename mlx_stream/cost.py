@@ -22,6 +22,7 @@ import numpy as np
 
 from .cache import make_tree_cache, trim_cache
 from .drafters import HeadsDrafter
+from .models import text_args
 from .tree import Tree, chain
 
 # forward sizes measured for the cost curve (root included); c(N) between them is linear
@@ -184,7 +185,7 @@ def draft_times(model, trees: Sequence, context: int = 256, repeats: int = 10) -
     if model.heads is not None and model.heads.autoregressive:
         return _eagle_draft_times(model, trees, context, repeats)
     capture = HeadsDrafter(model, trees[0]).capture if trees else None
-    ids = mx.arange(1, context + 1, dtype=mx.int32) % bb.args.vocab_size
+    ids = mx.arange(1, context + 1, dtype=mx.int32) % text_args(bb).vocab_size
     cache = model.make_cache()
     hidden, mid = fam.prefill_hidden(bb, ids, cache, capture=capture)
     hidden, mid = hidden[-1], (mid[-1] if mid is not None else None)
@@ -207,7 +208,7 @@ def _eagle_draft_times(model, trees, context: int, repeats: int) -> list[float]:
     from .drafters import EagleDrafter
 
     bb = model.backbone
-    ids = mx.arange(1, context + 1, dtype=mx.int32) % bb.args.vocab_size
+    ids = mx.arange(1, context + 1, dtype=mx.int32) % text_args(bb).vocab_size
     hidden, _ = model.family.prefill_hidden(bb, ids, model.make_cache())
     hidden = mx.concatenate([hidden] * (1 + len(model.heads.config.fuse_layers)), axis=-1)  # fused width
     result = []

@@ -129,6 +129,8 @@ class DraftModel:
         from .models import family
 
         self.backbone, self.family, self.vocab, self.name = backbone, family(backbone), vocab, name
+        if getattr(self.family, "trees", None) is not None:
+            raise ValueError(f"{name} cannot draft: {self.family.trees}")
         self.depth: int | None = None
         self.budget: int | None = None
         self.calibration: dict | None = None
@@ -185,12 +187,14 @@ class DraftCache:
         """Make the cache hold exactly ``tokens`` (reusing its common prefix with them and
         the speculative entries on their path, at least one token fed) and return the
         ``(vocab,)`` logits after the last, lazy."""
-        from .cache import trim_cache
+        from .cache import can_rewind, make_tree_cache, trim_cache
 
         d = self.draft
         n, limit = 0, min(len(self.tokens), len(tokens) - 1)
         while n < limit and self.tokens[n] == tokens[n]:
             n += 1
+        if n < len(self.tokens) and not can_rewind(self.layers, n):  # a sliding window moved past n
+            self.layers, self.tokens, self._pending, n = make_tree_cache(d.backbone), [], [], 0
         if n == len(self.tokens) and self._pending:
             path = self._accepted_path(tokens[n : len(tokens) - 1])
             for c in self.layers:
@@ -201,11 +205,13 @@ class DraftCache:
         self._pending = []
         rest = list(tokens[n:])
         for i in range(0, len(rest), step_size):
-            h, _ = d.family.prefill_hidden(d.backbone, mx.array(rest[i : i + step_size]), self.layers)
+            logits, _, _ = d.family.prefill_forward(
+                d.backbone, mx.array(rest[i : i + step_size]), self.layers
+            )
             if i + step_size < len(rest):
                 mx.eval([c.state for c in self.layers])
         self.tokens = list(tokens)
-        return d.family.project(d.backbone, h[-1])[: d.vocab]
+        return logits[: d.vocab]
 
     def _accepted_path(self, tokens: Sequence[int]) -> list[int]:
         parents = mx.concatenate([p for p, _ in self._pending]).tolist()
@@ -230,10 +236,10 @@ class DraftCache:
         ``(n,)``: each entry's parent entry (0..E-1, or -1: the last of :attr:`tokens`),
         so that :meth:`sync` can keep the accepted ones (None: never kept)."""
         d = self.draft
-        h, _ = d.family.tree_hidden(d.backbone, tokens, positions, mask, self.layers)
+        logits, _, _ = d.family.tree_forward(d.backbone, tokens, positions, mask, self.layers)
         n = tokens.shape[0]
         self._pending.append((mx.full((n,), -3, dtype=mx.int32) if parents is None else parents, tokens))
-        return d.family.project(d.backbone, h)[:, : d.vocab]
+        return logits[:, : d.vocab]
 
     def rewind(self) -> None:
         """Drop the speculative entries (the cache holds :attr:`tokens` again)."""

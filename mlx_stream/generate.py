@@ -18,10 +18,11 @@ import mlx.core as mx
 import numpy as np
 
 from .adaptive import SpeculationPolicy
-from .cache import TreeQuantizedKVCache, WindowKVCache, cache_offset, make_tree_cache, trim_cache
+from .cache import TreeQuantizedKVCache, cache_offset, can_rewind, make_tree_cache, trim_cache
 from .checks import require_drafter, require_int, require_tokenizer, require_unicode
 from .drafters import Drafter, NoDrafter
 from .model import require_model
+from .models import head_dim
 from .sampling import LogitsProcessor, SamplingParams
 from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
 from .steps import KVSettings, Step, StepPipeline, TreeVerifier, check_kv, prefill
@@ -135,8 +136,8 @@ class PromptCache:
     @property
     def quantization(self) -> tuple[int, int] | None:
         """``(bits, group_size)`` once the entries are stored quantized, else None."""
-        c = self.layers[0]
-        return (c.bits, c.group_size) if isinstance(c, TreeQuantizedKVCache) else None
+        c = next((c for c in self.layers if isinstance(c, TreeQuantizedKVCache)), None)
+        return (c.bits, c.group_size) if c is not None else None
 
     def shared_prefix(self, ids: Sequence[int]) -> int:
         """How many leading tokens of ``ids`` the cache holds (its common prefix with them)."""
@@ -153,12 +154,9 @@ class PromptCache:
         window was full, or quantized entries the prompt would have kept in full
         precision below ``quantized_kv_start``), the cache is reset instead."""
         n = min(self.shared_prefix(ids), len(ids) - 1)
-        c = self.layers[0]
         if n < len(self.tokens) and (
-            (isinstance(c, WindowKVCache) and not c.rewindable_to(n))
-            or (
-                isinstance(c, TreeQuantizedKVCache) and (quantized_kv_start is None or n < quantized_kv_start)
-            )
+            not can_rewind(self.layers, n)
+            or (self.quantization is not None and (quantized_kv_start is None or n < quantized_kv_start))
         ):
             self.reset()
             return 0
@@ -511,8 +509,8 @@ def stream_generate(
 
     # prefill; the last hidden state gives the first token and feeds the heads
     tic = time.perf_counter()
-    hidden, mid, reused, prompt_hidden = prefill(model, cache, ids, drafter, prefill_step_size, kv)
-    step = _first_step(model, verify, ids, hidden, mid, prompt_hidden)
+    logits, hidden, mid, reused, prompt_hidden = prefill(model, cache, ids, drafter, prefill_step_size, kv)
+    step = _first_step(verify, ids, logits, hidden, mid, prompt_hidden)
     prompt_tps = (len(ids) - reused) / (time.perf_counter() - tic)
 
     # Each step is launched (queued on the device) before the step before it is handed to
@@ -581,8 +579,7 @@ def _prompt_ids(model, tokenizer, prompt, prompt_cache: PromptCache | None, kv: 
         raise ValueError(
             f"the prompt has {len(ids)} tokens but the model's context window is {ctx}: shorten the prompt"
         )
-    args = model.backbone.args
-    check_kv(kv, getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+    check_kv(kv, head_dim(model.backbone))
     if prompt_cache is not None and prompt_cache.max_kv_size != kv.max_kv_size:
         raise ValueError(
             f"the prompt cache was made with max_kv_size={prompt_cache.max_kv_size}, this call asks for "
@@ -635,13 +632,13 @@ def _check_drafter(drafter, kv: KVSettings) -> None:
         )
 
 
-def _first_step(model, verify: TreeVerifier, ids: list[int], hidden, mid, prompt_hidden) -> Step:
+def _first_step(verify: TreeVerifier, ids: list[int], logits, hidden, mid, prompt_hidden) -> Step:
     # the prefill's last position as a step over the root-only tree: the first token
     root, node = no_drafts(), mx.array([ids[-1]], dtype=mx.int32)
     verdict = verify.judge(
         root,
         node,
-        model.family.project(model.backbone, hidden)[None],
+        logits[None],
         len(ids),
         mx.array(ids, dtype=mx.int32) if verify.processors else None,
     )

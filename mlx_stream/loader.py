@@ -14,6 +14,7 @@ from .checks import check_p_min, kind, require_tokenizer
 from .defaults import DEFAULT_HEADS, DEFAULT_MODEL, NO_HEADS
 from .files import cache_dir
 from .model import SpeculativeModel, require_model
+from .models import text_args
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
 _ALIASES = {
@@ -231,7 +232,7 @@ def shipped_heads_for(backbone, tokenizer) -> Path | None:
         except (OSError, ValueError):
             continue
         shape = (want.get("architecture"), want.get("vocab_size"))
-        if shape != (backbone.model_type, backbone.args.vocab_size):
+        if shape != (backbone.model_type, text_args(backbone).vocab_size):
             continue
         fp = fp or backbone_fingerprint(backbone, tokenizer)
         if fp == want:
@@ -428,7 +429,9 @@ def load_draft(
             f"draft_model must be a model spec (alias, folder, .gguf, Hugging Face id) or a "
             f"(model, tokenizer) pair, got {type(spec).__name__}"
         )
-    vocab = check_draft_tokenizer(tokenizer, draft_tok, target.args.vocab_size, backbone.args.vocab_size)
+    vocab = check_draft_tokenizer(
+        tokenizer, draft_tok, target.args.vocab_size, text_args(backbone).vocab_size
+    )
     from .cache import make_tree_cache
 
     make_tree_cache(backbone)  # refuses caches that cannot be rewound, before any decoding

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .checks import kind
-from .models import family
+from .models import family, text_args
 
 
 class SpeculativeModel(nn.Module):
@@ -33,7 +33,7 @@ class SpeculativeModel(nn.Module):
     def __init__(self, backbone: nn.Module, heads: nn.Module | None = None):
         if (
             not isinstance(backbone, nn.Module)
-            or not hasattr(backbone, "args")
+            or not (hasattr(backbone, "args") or hasattr(backbone, "config"))
             or isinstance(backbone, SpeculativeModel)
         ):
             raise TypeError(
@@ -64,7 +64,7 @@ class SpeculativeModel(nn.Module):
 
     @property
     def args(self):
-        return self.backbone.args
+        return text_args(self.backbone)
 
     def make_cache(self):
         from mlx_lm.models.cache import make_prompt_cache
@@ -79,7 +79,7 @@ class SpeculativeModel(nn.Module):
     @property
     def context_length(self) -> int | None:
         """The backbone's context window in tokens (``max_position_embeddings``), if known."""
-        n = getattr(self.backbone.args, "max_position_embeddings", None)
+        n = getattr(self.args, "max_position_embeddings", None)
         return int(n) if n else None
 
     def embed(self, tokens: mx.array) -> mx.array:

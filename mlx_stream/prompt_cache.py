@@ -17,10 +17,13 @@ import json
 import os
 from pathlib import Path
 
-from .cache import TreeKVCache, TreeQuantizedKVCache, WindowKVCache
+import mlx.core as mx
+
+from .cache import TreeKVCache, TreeQuantizedKVCache, WindowKVCache, make_tree_cache
 from .checks import kind, require_int, require_path, require_tokenizer
 from .generate import PromptCache
 from .model import require_model
+from .models import head_dim
 
 TOKENS_KEY = "mlx_stream_tokens"  # (no dots: mlx-lm unflattens the metadata on them)
 FINGERPRINT_KEY = "mlx_stream_fingerprint"
@@ -65,6 +68,11 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, model_spec: str, tok
     layers = []
     for c in cache.layers:
         n = c.offset
+        if isinstance(c, WindowKVCache) and c.keep_first == 0:
+            raise ValueError(
+                "this model's sliding-window layers keep only their window: a prompt cache file holds "
+                "whole caches, which it cannot be saved to yet"
+            )
         if isinstance(c, WindowKVCache):
             raise ValueError("a bounded cache (max_kv_size) cannot be saved; save the prompt without it")
         if isinstance(c, TreeQuantizedKVCache):
@@ -129,16 +137,16 @@ def load_prompt_cache(path: str | Path, model, tokenizer) -> PromptCache:
         raise ValueError(
             f"{path}: made for another model ({meta.get('model', '?')}); make it again for this one"
         )
-    if len(layers) != len(backbone.layers):
+    # the shapes this model's own caches take: one token through a fresh cache
+    fresh = make_tree_cache(backbone)
+    backbone(mx.array([[0]]), cache=fresh)
+    if len(layers) != len(fresh):
         raise ValueError(
-            f"{path}: made for another model ({meta.get('model', '?')}): {len(layers)} layers, "
-            f"this model has {len(backbone.layers)}"
+            f"{path}: made for another model ({meta.get('model', '?')}): {len(layers)} caches, "
+            f"this model has {len(fresh)}"
         )
-    args = backbone.args
-    kv_heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     converted = []
-    for c in layers:
+    for c, ref in zip(layers, fresh):
         if type(c) not in (KVCache, QuantizedKVCache):
             raise ValueError(
                 f"{path}: holds a {type(c).__name__}; only full (optionally quantized) caches load"
@@ -146,6 +154,7 @@ def load_prompt_cache(path: str | Path, model, tokenizer) -> PromptCache:
         quantized = isinstance(c, QuantizedKVCache)
         keys = c.keys[0] if quantized else c.keys
         dim = keys.shape[-1] * 32 // c.bits if quantized else keys.shape[-1]  # bits per uint32: 32
+        kv_heads, head_dim = ref.keys.shape[1], ref.keys.shape[-1]
         if keys is None or keys.shape[1] != kv_heads or dim != head_dim:
             raise ValueError(
                 f"{path}: made for another model ({meta.get('model', '?')}): its keys do not have "
@@ -193,8 +202,7 @@ def cache_prompt(
     require_tokenizer(tokenizer)
     require_int(prefill_step_size, "prefill_step_size", 1)
     kv = KVSettings(None, kv_bits, kv_group_size, quantized_kv_start)
-    args = model.backbone.args
-    check_kv(kv, getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+    check_kv(kv, head_dim(model.backbone))
     ids = encode_prompt(tokenizer, prompt, model.args.vocab_size)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token")

@@ -250,7 +250,8 @@ def plan_drafting(
     Raises:
         TypeError: an argument of the wrong kind (the message names the accepted forms).
         ValueError: a bad tree spec or ``prompt_lookup``, a tree deeper than the heads,
-            a dynamic tree without eagle heads, or ``"budget"`` with eagle heads
+            a dynamic tree without eagle heads, ``"budget"`` with eagle heads, or any
+            drafting on a model whose draft trees failed the load-time self-check
             (:func:`build_drafter` refuses ``"auto"`` where the heads carry no
             candidate trees).
     """
@@ -264,6 +265,13 @@ def plan_drafting(
         )
     if num_draft_tokens is not None:
         require_int(num_draft_tokens, "num_draft_tokens", 1)
+    off = getattr(model.family, "trees", None)  # the load-time self-check's verdict
+    if off is not None and (
+        model.heads is not None or draft_model is not None or prompt_lookup or is_budget(tree)
+    ):
+        raise ValueError(
+            f"this model decodes plainly only: {off}; leave out heads, draft_model and prompt_lookup"
+        )
     heads = model.heads
     if store is None:
         store = getattr(model, "datastore", None)

@@ -28,7 +28,7 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
-from .cache import WindowKVCache, attention_mask, cache_offset, keep_path, quantize_cache
+from .cache import attention_mask, cache_offset, evict, keep_path, quantize_cache
 from .drafters import (
     AcceptanceObserver,
     StepTimer,
@@ -302,9 +302,10 @@ def prefill(model, cache, ids: list[int], drafter, step_size: int, kv: KVSetting
     reusing its common prefix with ``ids``) in chunks of ``step_size`` tokens.
 
     Returns:
-        ``(hidden (H,), mid (H,) or None, reused, features (P, F))``: the last position's
-        final hidden state and captured layer input, the tokens reused from the cache, and
-        the prefilled positions' features (``F = H``, or more with fused layers).
+        ``(logits (V,), hidden (H,), mid (H,) or None, reused, features (P, F))``: the last
+        position's logits, final hidden state and captured layer input, the tokens reused
+        from the cache, and the prefilled positions' features (``F = H``, or more with
+        fused layers).
     """
     reused = cache.reuse(ids, kv.start if kv.bits is not None else None)
     rest = ids[reused:]
@@ -315,14 +316,12 @@ def prefill(model, cache, ids: list[int], drafter, step_size: int, kv: KVSetting
         pieces = [rest[i : i + step_size] for i in range(0, len(rest), step_size)]
     chunks, (capture, fused) = [], captures(drafter)
     for piece in pieces:
-        h, mids = model.family.prefill_hidden(model.backbone, mx.array(piece), cache.layers, capture=capture)
+        logits, h, mids = model.family.prefill_forward(model.backbone, mx.array(piece), cache.layers, capture)
         hidden, mid = h[-1], (mids[-1] if mids is not None else None)
         h = mx.concatenate([h, mids], axis=-1) if fused else h
         mx.eval(h, [c.state for c in cache.layers])
         quantize_cache(cache.layers, kv.bits, kv.group_size, kv.start)
-        if isinstance(cache.layers[0], WindowKVCache):
-            for c in cache.layers:
-                c.evict()
+        evict(cache.layers)
         chunks.append(h)
     cache.tokens = list(ids)
     draft = getattr(getattr(drafter, "base", drafter), "draft_cache", None)  # prompt lookup wraps it
@@ -331,7 +330,7 @@ def prefill(model, cache, ids: list[int], drafter, step_size: int, kv: KVSetting
         # step drafts at decoding cost and prompt_tps covers both models' prefill
         draft.sync(ids, step_size)
         mx.eval([c.state for c in draft.layers])
-    return hidden, mid, reused, mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+    return logits, hidden, mid, reused, mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]
 
 
 class StepPipeline:
@@ -358,6 +357,7 @@ class StepPipeline:
         self.capture, self.fused = captures(drafter)
         self.reads_path = getattr(drafter, "reads_path", False)  # eagle heads read every verified position
         self.pipelined = verify.verifier is None and kv.max_kv_size is None and queues_steps(drafter)
+        self.windowed = getattr(model.family, "windowed", False)
         self.queued = queued_drafter(drafter) if self.pipelined else None
         self._decided: bool | None = None  # the policy's choice for the next step, when asked early
 
@@ -407,8 +407,8 @@ class StepPipeline:
         whatever ``prev`` emits; rooted at prev's (lazy) next token and drafted from the
         hidden state at prev's (lazy) last accepted node. None where it must wait."""
         spare = depth - prev.tree.depth - 1
-        if prev.last is None or spare < 0:
-            return None
+        if prev.last is None or spare < 0 or (self.windowed and prev.tree.size > 1):
+            return None  # (a sliding window's mask needs the positions of prev's entries)
         on = spare >= 1 and (self.policy is None or self.policy.use_drafts())
         tree = queued_tree(self.drafter, self.queued, tokens, spare, on)
         if tree is None or (self.verify.processors and prev.tree.size > 1):  # the history's length is lazy
@@ -472,12 +472,8 @@ class StepPipeline:
             )
         root_position = length - 1 if shift is None else shift + (length - 1)
         positions = root_position + mx.array(tree.depths, dtype=mx.int32)
-        h, mids = fam.tree_hidden(
-            backbone, node_tokens, positions, mask, layers, capture=self.capture
-        )  # (N, H)
-        verdict = self.verify.judge(
-            tree, node_tokens, fam.project(backbone, h), length, history, shift, spread
-        )
+        logits, h, mids = fam.tree_forward(backbone, node_tokens, positions, mask, layers, self.capture)
+        verdict = self.verify.judge(tree, node_tokens, logits, length, history, shift, spread)
         last = accepted_node(tree, node_tokens, verdict.targets) if static else None
         quantize_cache(layers, self.kv.bits, self.kv.group_size, self.kv.start)
         mx.async_eval(node_tokens, verdict.arrays(), h, mids, last, [c.state for c in layers])

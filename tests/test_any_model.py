@@ -7,11 +7,14 @@ from __future__ import annotations
 import importlib
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from mlx_stream.models.generic import NodeMaskKVCache, rope_slots, tree_logits
+from mlx_stream.cache import TreeKVCache, make_tree_cache
+from mlx_stream.models import family
+from mlx_stream.models.generic import Generic, rope_slots
 
 BASE = dict(
     hidden_size=64,
@@ -79,6 +82,15 @@ MODELS = {
     ),
     "starcoder2": ("layer norm, biases", dict(norm_epsilon=1e-5, rope_theta=1e4)),
     "smollm3": ("NoPE layers", dict(no_rope_layer_interval=2, rope_theta=1e4)),
+    "gemma4_text": (
+        "sliding window, shared-KV layers, per-layer inputs, logit softcapping",
+        dict(num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=WINDOW, sliding_window_pattern=2)
+        | dict(global_head_dim=32, hidden_size_per_layer_input=16, final_logit_softcapping=30.0),
+    ),
+    "qwen3_vl": (
+        "vision-language wrapper (the text model under language_model)",
+        dict(rope_theta=1e4, tie_word_embeddings=True),
+    ),
 }
 
 PREFIX = list(range(1, 12))
@@ -86,10 +98,12 @@ TOKENS = [20, 30, 31, 40, 41, 42]  # root; 30 and 31 under it; 40 under 30, 41 u
 PARENTS = [-1, 0, 0, 1, 3, 2]
 
 
-def tiny(model_type: str):
+def tiny(model_type: str, vocab: int = BASE["vocab_size"], seed: int = 0):
     mod = importlib.import_module(f"mlx_lm.models.{model_type}")
-    args = mod.ModelArgs.from_dict(dict(BASE, model_type=model_type, **MODELS[model_type][1]))
-    mx.random.seed(0)
+    args = mod.ModelArgs.from_dict(
+        dict(BASE, model_type=model_type, vocab_size=vocab, **MODELS[model_type][1])
+    )
+    mx.random.seed(seed)
     model = mod.Model(args)
     # weights 4x mlx-lm's initialisation: logits spread wide enough that random models have no near-ties
     model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))
@@ -104,6 +118,12 @@ def tree(parents):
         depths[i] = depths[parents[i]] + 1
         anc[i] |= anc[parents[i]]
     return depths, anc
+
+
+def tree_logits(model, tokens, depths, anc, cache):
+    n = cache[0].offset
+    mask = mx.concatenate([mx.ones((len(depths), n), dtype=mx.bool_), mx.array(anc)], axis=1)
+    return family(model).tree_forward(model, tokens, mx.array(n + depths, dtype=mx.int32), mask, cache)[0]
 
 
 def sequential(model, tokens):
@@ -124,7 +144,7 @@ def test_tree_logits_equal_sequential_through_the_models_own_code(model_type):
     model = tiny(model_type)
     assert model_type == "smollm3" or rope_slots(model)  # the positions pass through rope
     depths, anc = tree(PARENTS)
-    cache = [NodeMaskKVCache() for _ in model.layers]
+    cache = make_tree_cache(model)
     model(mx.array(PREFIX)[None], cache=cache)
     logits = tree_logits(model, mx.array(TOKENS), depths, anc, cache)
     for i in range(len(TOKENS)):
@@ -143,12 +163,12 @@ def test_tree_logits_equal_sequential_through_the_models_own_code(model_type):
         assert same(logits[i], sequential(model, kept + path)), (model_type, "after keep", i)
     # the model's own modules are back, and it decodes causally again
     assert not any(type(m[k]).__name__ == "NodeRoPE" for m, k in rope_slots(model))
-    cache = [NodeMaskKVCache() for _ in model.layers]
+    cache = make_tree_cache(model)
     model(mx.array(PREFIX)[None], cache=cache)
     assert same(model(mx.array([7])[None], cache=cache)[0, -1], sequential(model, PREFIX + [7]))
 
 
-class _NoWindow(NodeMaskKVCache):
+class _NoWindow(TreeKVCache):
     def make_mask(self, N, return_array=False, window_size=None):
         return super().make_mask(N, return_array=return_array)
 
@@ -159,7 +179,193 @@ def test_a_tree_mask_that_ignores_the_sliding_window_is_caught(model_type):
     other logits than a sequential forward."""
     model = tiny(model_type)
     depths, anc = tree(PARENTS)
-    cache = [_NoWindow() for _ in model.layers]
+    cache = [_NoWindow() for _ in make_tree_cache(model)]
     model(mx.array(PREFIX)[None], cache=cache)
     logits = tree_logits(model, mx.array(TOKENS), depths, anc, cache)
     assert not same(logits[0], sequential(model, PREFIX + TOKENS[:1]))
+
+
+class _CacheOffsetRope(nn.Module):
+    # a rotary embedding that a tree forward cannot reach (its class name is not *RoPE), as
+    # in a model that computes positions from cache.offset by itself: every node is rotated
+    # at the cache's end
+    def __init__(self, rope):
+        super().__init__()
+        object.__setattr__(self, "rotate", rope)  # not a child module: out of the tree forward's reach
+
+    def __call__(self, x, offset=0):
+        return self.rotate(x, offset=offset)
+
+
+def test_the_self_check_turns_trees_off_for_a_forward_it_cannot_run():
+    model = tiny("llama")
+    assert Generic(model).trees is None  # (llama.py runs llama itself; the generic path can too)
+    m, k = rope_slots(model)[0]  # one layer out of reach: the others still position nodes
+    m[k] = _CacheOffsetRope(m[k])
+    fam = Generic(model)
+    assert fam.trees is not None and "differ from sequential decoding" in fam.trees
+    cache = make_tree_cache(model)
+    with pytest.raises(ValueError, match="draft trees are off"):
+        fam.tree_forward(model, mx.array(TOKENS), mx.arange(6), mx.ones((6, 6), dtype=mx.bool_), cache)
+    # one node at a time still decodes as the model does
+    logits, _, _ = fam.prefill_forward(model, mx.array(PREFIX), cache)
+    assert same(logits, sequential(model, PREFIX))
+    step = fam.tree_forward(model, mx.array([7]), mx.array([len(PREFIX)]), None, cache)[0][0]
+    assert same(step, sequential(model, PREFIX + [7]))
+
+
+# -- the decode loop on these models, against plain mlx-lm
+
+LOOP = [
+    "qwen3_moe",
+    "phi3",
+    "gemma3_text",
+    "gpt_oss",
+    "deepseek_v3",
+    "cohere",
+    "smollm3",
+    "gemma4_text",
+    "qwen3_vl",
+]
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_dir))[1]
+
+
+def loop_model(model_type, vocab, seed=1, noise=0.0):
+    # seed 1: every model here writes 160 tokens from PROMPT before its end-of-text token
+    from mlx_stream import SpeculativeModel
+
+    model = tiny(model_type, vocab=vocab, seed=seed)
+    if noise:  # a draft model: the target's weights, perturbed
+        mx.random.seed(seed + 1)
+        model.update(
+            tree_map(
+                lambda p: p + noise * mx.random.normal(p.shape) if p.ndim == 2 else p, model.parameters()
+            )
+        )
+        mx.eval(model.parameters())
+    return SpeculativeModel(model)
+
+
+@pytest.mark.parametrize("model_type", LOOP)
+def test_greedy_output_equals_plain_mlx_lm_with_every_drafter(model_type, tok):
+    """Plain decoding, a draft tree from the target itself (every node accepted often),
+    prompt lookup, fresh stream heads and a draft model (chain and tree), each 40 tokens
+    past a sliding window of 4: token for token plain mlx-lm's."""
+    from helpers import SelfDrafter, assert_greedy_identical, mlx_lm_greedy, ours
+
+    from heads.io import new_heads
+    from mlx_stream import SpeculativeModel, load_draft
+    from mlx_stream.tree import parse_tree
+
+    vocab = len(tok.vocab)
+    model = loop_model(model_type, vocab)
+    assert model.family.trees is None or model.family.__name__.endswith("llama")
+    ids = tok.encode(PROMPT)
+    ref = mlx_lm_greedy(model.backbone, tok, ids, 40)
+    runs = {
+        "plain": ours(model, tok, ids, 40, prompt_lookup=0, adaptive=False),
+        "self tree": ours(
+            model, tok, ids, 40, drafter=SelfDrafter(model, parse_tree("0;1;0,0;0,1;0,0,0", 3))
+        ),
+        "lookup": ours(model, tok, ids, 40, prompt_lookup=2, adaptive=False),
+    }
+    heads = new_heads(model.backbone, tok, num_heads=3, seed=1, scale=0.02)
+    runs["heads"] = ours(
+        SpeculativeModel(model.backbone, heads), tok, ids, 40, tree="0;1;0,0", adaptive=False
+    )
+    draft = load_draft((loop_model(model_type, vocab, noise=0.01).backbone, tok), model, tok, calibrate=False)
+    runs["draft chain"] = ours(model, tok, ids, 40, draft_model=draft, num_draft_tokens=3, adaptive=False)
+    runs["draft tree"] = ours(model, tok, ids, 40, draft_model=draft, tree="dynamic:6,3", adaptive=False)
+    for name, (got, _) in runs.items():
+        assert assert_greedy_identical(model, ids, got, ref) in ("equal", "tie"), name
+    passes = {name: responses[-1].forward_passes for name, (got, responses) in runs.items()}
+    assert passes["self tree"] < passes["plain"] and passes["draft chain"] < passes["plain"], passes
+
+
+def test_a_model_with_learned_positions_decodes_plainly_and_refuses_drafting(tok):
+    """gpt2 adds learned position embeddings at the cache's offset, which a tree forward
+    cannot move per node: the self-check turns trees off; plain decoding still equals
+    mlx-lm's, and drafting is refused in one line naming why."""
+    from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+    from mlx_lm.models import gpt2
+
+    from mlx_stream import SpeculativeModel, stream_generate
+
+    cfg = dict(model_type="gpt2", n_ctx=512, n_embd=64, n_head=4, n_layer=2, n_positions=512)
+    mx.random.seed(0)
+    backbone = gpt2.Model(
+        gpt2.ModelArgs.from_dict(cfg | dict(layer_norm_epsilon=1e-5, vocab_size=len(tok.vocab)))
+    )
+    backbone.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, backbone.parameters()))
+    model = SpeculativeModel(backbone)
+    assert model.family.trees is not None and "no rotary embedding module" in model.family.trees
+    ids = tok.encode(PROMPT)
+    got, _ = ours(model, tok, ids, 40, adaptive=False)
+    assert assert_greedy_identical(model, ids, got, mlx_lm_greedy(backbone, tok, ids, 40)) in ("equal", "tie")
+    with pytest.raises(ValueError, match="decodes plainly only: .*no rotary embedding module"):
+        next(stream_generate(model, tok, PROMPT, prompt_lookup=2))
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "deepseek_v3"])
+def test_stream_heads_train_on_a_frozen_backbone_and_draft_for_it(model_type, tok, tmp_path):
+    """Residual heads trained on the states captured where the model's own code enters its
+    output projection (features of what the backbone writes) learn each offset, and drafting
+    with them in the loop keeps plain mlx-lm's output while taking several tokens a pass."""
+    from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+
+    from mlx_stream import SpeculativeModel
+    from mlx_stream.heads import new_heads
+    from mlx_stream.train import TrainConfig, build_features_from_ids, train_heads
+
+    model = loop_model(model_type, len(tok.vocab))
+    # what the backbone itself writes after a few prompts: the heads learn to draft it
+    prompts = [[11 + 7 * s, 42, 97 + s] for s in range(8)]
+    seqs = [(p + mlx_lm_greedy(model.backbone, tok, p, 48), 1) for p in prompts]
+    feats = build_features_from_ids(model, seqs, tmp_path / "f", 3, dtype="float32")
+    heads = new_heads(model.backbone, tok, 3)
+    cfg = TrainConfig(num_heads=3, epochs=150, batch_size=64, lr=3e-3, warmup=10, checkpoint_every=0)
+    report = train_heads(model, heads, feats, tmp_path / "run", cfg, valid=feats, progress=False)
+    assert min(report["valid"]["top1"]) > 0.85, report["valid"]
+    ids = prompts[0]
+    ref = mlx_lm_greedy(model.backbone, tok, ids, 40)
+    got, rs = ours(SpeculativeModel(model.backbone, heads), tok, ids, 40, tree="0;0,0;0,0,0", adaptive=False)
+    assert assert_greedy_identical(model, ids, got, ref) in ("equal", "tie")
+    assert rs[-1].tau > 2.0, rs[-1].tau  # the trained heads draft what the backbone writes
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_sliding_window_layers_stay_bounded_and_exact_past_their_eviction(model_type, tok):
+    """160 tokens with a window of 4: the windowed layers drop what no token can see again
+    (every 64 entries past the window), drafts are rewound across those drops, and the
+    output is still plain mlx-lm's (whose rotating cache is exact for plain decoding)."""
+    from helpers import SelfDrafter, assert_greedy_identical, mlx_lm_greedy, ours
+
+    from mlx_stream import PromptCache, load_draft
+    from mlx_stream.cache import WindowKVCache
+    from mlx_stream.tree import parse_tree
+
+    model = loop_model(model_type, len(tok.vocab))
+    ids = tok.encode(PROMPT)
+    ref = mlx_lm_greedy(model.backbone, tok, ids, 160)
+    draft = load_draft(
+        (loop_model(model_type, len(tok.vocab), noise=0.01).backbone, tok), model, tok, calibrate=False
+    )
+    for kw in (
+        {"drafter": SelfDrafter(model, parse_tree("0;1;0,0;0,0,0", 3))},
+        {"draft_model": draft, "num_draft_tokens": 3},
+    ):
+        pc = PromptCache(model)
+        got, _ = ours(model, tok, ids, 160, prompt_cache=pc, adaptive=False, **kw)
+        assert assert_greedy_identical(model, ids, got, ref) in ("equal", "tie"), kw
+        assert len(ref) == 160
+        windows = [c for c in pc.layers if isinstance(c, WindowKVCache)]
+        assert windows and all(c.dropped > 0 for c in windows)
+        # what they hold: the window, the slack before a drop, a step's tree; not all 200+ tokens
+        assert max(c.offset - c.dropped for c in windows) <= WINDOW + 64 + 8 and windows[0].offset > 160

@@ -1,34 +1,41 @@
-"""A tree forward through an mlx-lm model's own ``__call__`` (issue 49, first step).
+"""A tree forward through an mlx-lm model's own ``__call__``: the family of every
+key/value-cache model that has no module of its own here (issue 49).
 
 Almost every mlx-lm model reads token positions only through its attentions'
 ``rope(x, offset=cache.offset)`` and builds its attention masks only through
-``cache.make_mask(N, return_array=..., window_size=...)``. So a tree of N nodes runs
-through the model's own code, unchanged, with two substitutions for the length of one
-call (:func:`tree_logits`):
+``cache.make_mask(N, return_array=..., window_size=...)``. So a draft tree of N nodes
+runs through the model's own code, unchanged, with two substitutions for the length
+of one call:
 
-- each rotary embedding module is wrapped so that the N nodes move onto the batch axis,
-  node i rotated by its own position ``positions[i]`` (``mx.fast.rope`` takes one offset
-  per batch row: bitwise the rotation a sequential forward gives it), and
-- every layer's :class:`NodeMaskKVCache` answers ``make_mask`` with the tree's mask:
-  causal over the cache, ancestors-only inside the tree, narrowed to the window where the
-  model asks for one (sliding-window layers).
+- each rotary embedding module is wrapped (:class:`NodeRoPE`) so that the N nodes move
+  onto the batch axis, node i rotated by its own position (``mx.fast.rope`` takes one
+  offset per batch row: bitwise the rotation a sequential forward gives it), and
+- every layer's cache (:class:`~mlx_stream.cache.TreeMask`) answers ``make_mask`` with
+  the tree's mask: causal over the cache, ancestors-only inside the tree, narrowed to
+  the window where a sliding-window layer asks for one.
 
-Nothing is re-implemented per architecture (Bhendawade et al. 2024 and Cai et al. 2024's
-tree attention are only the mask and the positions). Not wired into the decode loop yet;
-``tests/test_any_model.py`` checks it exact, node by node, on tiny models from mlx-lm's
-own classes.
+The states that drafters read are taken where the model's own code passes them
+(:class:`Tap`): the input of its output projection (stream heads, a draft's features)
+and the inputs of chosen layers (EAGLE-3's fused features). Nothing is re-implemented
+per architecture (the tree attention of Miao et al. 2024 / Cai et al. 2024 is only the
+mask and the positions). :meth:`Generic.self_check` runs a small tree against
+sequential forwards once per model, so a model whose positions or masks do not pass
+through these two places decodes plainly instead of wrongly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..cache import TreeKVCache
+from ..cache import cache_kinds, make_tree_cache
+from .args import text_args
+
+FAMILY: tuple[str, ...] = ()  # chosen by models.family for every type without a module of its own
 
 
 class NodeRoPE(nn.Module):
@@ -37,17 +44,21 @@ class NodeRoPE(nn.Module):
     Args:
         rope: the model's rotary embedding module (``nn.RoPE``, ``Llama3RoPE``,
             ``YarnRoPE``, ``SuScaledRoPE``, ``ProportionalRoPE``, ...).
-        positions: int ``(N,)``, the absolute position of each node.
+        positions: int32 ``(N,)``, the absolute position of each node.
 
     Called as the wrapped module (``rope(x, offset)``) on ``x`` of shape ``(1, H, N, D)``:
     the nodes go onto the batch axis, ``(N, H, 1, D)``, with one offset per row, and back.
     The ``offset`` the model passes (the cache's length) is replaced by ``positions``.
+
+    Raises:
+        ValueError: ``x`` is not one sequence of the N nodes (a model that rotates another
+            layout; :meth:`Generic.self_check` turns trees off for it).
     """
 
     def __init__(self, rope: nn.Module, positions: mx.array):
         super().__init__()
         self.inner = rope
-        self._positions = positions
+        object.__setattr__(self, "_positions", positions)  # not a parameter
 
     def __call__(self, x: mx.array, offset=0, *args, **kwargs) -> mx.array:
         B, H, N, D = x.shape
@@ -69,75 +80,335 @@ def rope_slots(backbone: nn.Module) -> list[tuple[nn.Module, str]]:
 
 
 @contextmanager
+def _swapped(slots: Sequence[tuple], make) -> Iterator[None]:
+    # the module at each slot replaced by make(i, original) for the block, then put back
+    originals = [m[k] for m, k in slots]
+    try:
+        for i, ((m, k), orig) in enumerate(zip(slots, originals)):
+            m[k] = make(i, orig)
+        yield
+    finally:
+        for (m, k), orig in zip(slots, originals):
+            m[k] = orig
+
+
+@contextmanager
 def node_positions(backbone: nn.Module, positions: mx.array) -> Iterator[None]:
     """Within the block, every rotary embedding of ``backbone`` rotates tree nodes at
     ``positions`` (:class:`NodeRoPE`); the model's own modules are back after it."""
-    slots = rope_slots(backbone)
-    originals = [m[k] for m, k in slots]
-    try:
-        for (m, k), rope in zip(slots, originals):
-            m[k] = NodeRoPE(rope, positions)
+    with _swapped(rope_slots(backbone), lambda i, rope: NodeRoPE(rope, positions)):
         yield
-    finally:
-        for (m, k), rope in zip(slots, originals):
-            m[k] = rope
 
 
-class NodeMaskKVCache(TreeKVCache):
-    """A :class:`~mlx_stream.cache.TreeKVCache` (mlx-lm's ``KVCache`` plus ``keep``) whose
-    ``make_mask`` gives a draft tree's attention while one is set (:meth:`set_tree`), and
-    mlx-lm's causal masks otherwise.
+class Tap(nn.Module):
+    """A module that records the input it is called with and calls the one it wraps.
 
-    Keys/values: ``(B, n_kv_heads, capacity, head_dim)`` valid up to ``offset``; every
-    position is held (a sliding window is applied by the mask, so a rejected draft can
-    always be rewound).
+    For an embedding used as the output projection (tied weights), only ``as_linear``
+    records; its ``__call__`` (the input embedding) passes through.
     """
 
-    def __init__(self):
+    def __init__(self, inner: nn.Module, box: list, on_linear: bool = False):
         super().__init__()
-        self._tree: tuple[np.ndarray, np.ndarray] | None = None
+        self.inner = inner
+        object.__setattr__(self, "_box", box)  # not a parameter
+        self._on_linear = on_linear
 
-    def set_tree(self, depths: np.ndarray | None, ancestors: np.ndarray | None = None) -> None:
-        """The next forward is a tree: node i at ``offset + depths[i]`` sees the cache and
-        its ancestors (``ancestors`` bool ``(N, N)``, itself included). None: causal again."""
-        self._tree = None if depths is None else (np.asarray(depths), np.asarray(ancestors, dtype=bool))
+    def __call__(self, x, *args, **kwargs):
+        if not self._on_linear:
+            self._box.append(x)
+        return self.inner(x, *args, **kwargs)
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        if self._tree is None:
-            return super().make_mask(N, return_array=return_array, window_size=window_size)
-        depths, ancestors = self._tree
-        q = self.offset + depths[:, None]  # (N, 1) node positions
-        k = np.concatenate([np.arange(self.offset), self.offset + depths])[None]  # (1, S)
-        see = np.concatenate([np.ones((N, self.offset), dtype=bool), ancestors], axis=1)
-        if window_size is not None:
-            see &= q - k < window_size
-        return mx.array(see)
+    def as_linear(self, x):
+        self._box.append(x)
+        return self.inner.as_linear(x)
+
+    def __getattr__(self, name):
+        if name in self or "inner" not in self:
+            return super().__getattr__(name)
+        return getattr(self["inner"], name)  # the model may read the wrapped module's attributes
 
 
-def tree_logits(
-    backbone: nn.Module, tokens: mx.array, depths: np.ndarray, ancestors: np.ndarray, cache: list
-):
-    """Logits of a draft tree through ``backbone``'s own ``__call__``.
+def _slot(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    # (parent, key) of the submodule at a dotted path such as "model.embed_tokens" or "layers.3"
+    *parents, key = path.split(".")
+    m = root
+    for p in parents:
+        m = m[int(p)] if isinstance(m, list) else m[p]
+    return m, (int(key) if isinstance(m, list) else key)
+
+
+def _output_candidates(backbone: nn.Module, vocab: int) -> list[tuple[str, bool]]:
+    # (path, tied) of every module that may be the output projection: an lm_head, a linear
+    # layer onto the vocabulary, an embedding (tied weights)
+    out = []
+    for name, m in backbone.named_modules():
+        if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
+            out.append((name, True))
+        elif name.split(".")[-1] == "lm_head" or (
+            isinstance(m, (nn.Linear, nn.QuantizedLinear)) and m.weight.shape[0] == vocab
+        ):
+            out.append((name, False))
+    return out
+
+
+class _OrderedTap(Tap):
+    # a Tap that also notes, in a list shared by all taps, that it was called
+    def __init__(self, inner, box, on_linear, index, order):
+        super().__init__(inner, box, on_linear)
+        object.__setattr__(self, "_note", lambda: order.append(index))
+
+    def __call__(self, x, *args, **kwargs):
+        if not self._on_linear:
+            self._note()
+        return super().__call__(x, *args, **kwargs)
+
+    def as_linear(self, x):
+        self._note()
+        return super().as_linear(x)
+
+
+class Generic:
+    """The tree forward of every mlx-lm model whose caches are key/value caches
+    (``KVCache``, ``RotatingKVCache`` sliding windows, MLA's latent caches), through the
+    model's own modules and ``__call__``.
+
+    Provides the family interface of :mod:`mlx_stream.models` (``tree_forward``,
+    ``prefill_forward``, ``tree_hidden``, ``prefill_hidden``, ``project``, ``embed``,
+    ``output_layer``, ``state_size``) as methods taking the backbone first.
 
     Args:
-        backbone: an mlx-lm ``Model`` whose attentions rotate through ``self.rope`` and
-            mask through ``cache.make_mask``.
-        tokens: int ``(N,)``, node 0 the root (the last emitted token), parents first.
-        depths: int ``(N,)``, each node's depth (the root's is 0).
-        ancestors: bool ``(N, N)``, ``ancestors[i, j]``: node j is i or an ancestor of i.
-        cache: one :class:`NodeMaskKVCache` per layer, holding the emitted prefix; the
-            tree's N entries are appended (``keep`` the accepted path after verifying).
+        backbone: an mlx-lm ``Model`` (a vision-language wrapper's text model included).
 
-    Returns:
-        ``(N, V)`` logits: row i is what a sequential forward over the prefix and node i's
-        path gives at node i.
+    Attributes:
+        vocab: the vocabulary size (the logits' width).
+        output: dotted path of the output projection (``lm_head``, or the embedding when
+            tied), found by running one token through the model; None where the model
+            multiplies by a raw matrix that cannot be tapped (then heads and drafters that
+            read hidden states are refused; trees and draft models still work).
+        embedding: dotted path of the input embedding.
+        windowed: whether some layers attend over a sliding window.
+        trees: why draft trees cannot run through this model (a one-line reason), or None
+            when :meth:`self_check` found them exact.
+
+    Raises:
+        ValueError: the model's caches cannot be rewound (recurrent layers, ...), or it has
+            no token embedding.
     """
-    positions = mx.array(cache[0].offset + np.asarray(depths), dtype=mx.int32)
-    for c in cache:
-        c.set_tree(depths, ancestors)
-    try:
-        with node_positions(backbone, positions):
-            return backbone(tokens[None], cache=cache)[0]
-    finally:
+
+    def __init__(self, backbone: nn.Module):
+        kinds = cache_kinds(backbone)
+        make_tree_cache(backbone)  # refuses caches that cannot be rewound, naming them
+        self.windowed = any(type(c).__name__ == "RotatingKVCache" for c in kinds)
+        self.vocab = int(text_args(backbone).vocab_size)
+        self.output, self.embedding, self._width = self._probe(backbone)
+        self.trees: str | None = None
+        self.trees = self.self_check(backbone)
+
+    # -- finding the model's own modules
+
+    def _probe(self, backbone) -> tuple[str | None, str, int | None]:
+        # the output projection is the last candidate module the model's forward calls
+        cands = _output_candidates(backbone, self.vocab)
+        boxes, order = [[] for _ in cands], []
+        slots = [_slot(backbone, name) for name, _ in cands]
+        embeds = [name for name, tied in cands if tied]
+        if not embeds:
+            raise ValueError(f"{type(backbone).__module__}: no token embedding found")
+        cache, asked = make_tree_cache(backbone), set()
+        for c in cache:  # note the windows the model asks its masks for
+            c.make_mask = lambda *a, _c=c, **k: (
+                asked.add(k.get("window_size")) or type(_c).make_mask(_c, *a, **k)
+            )
+        with _swapped(slots, lambda i, m: _OrderedTap(m, boxes[i], cands[i][1], i, order)):
+            backbone(mx.array([[0]]), cache=cache)
+        sizes = {c.max_size for c in cache_kinds(backbone) if type(c).__name__ == "RotatingKVCache"}
+        if not sizes <= asked:
+            # a layer whose rotating cache, not its mask, bounds what it sees: mlx-lm's own
+            # output depends on that cache's wrap-around, which a rewindable cache cannot follow
+            raise ValueError(
+                f"{type(backbone).__module__}: its sliding-window caches hold {sorted(sizes)} tokens but its "
+                f"masks ask for windows of {sorted(w for w in asked if w)}: not supported"
+            )
+        embedding = next((n for n in embeds if n.endswith("embed_tokens")), embeds[0])
+        if not order:  # a raw matrix product (hidden @ W.T): nothing to tap
+            return None, embedding, None
+        last = order[-1]
+        return cands[last][0], embedding, int(boxes[last][-1].shape[-1])
+
+    def _module(self, backbone, path: str):
+        m, k = _slot(backbone, path)
+        return m[k]
+
+    # -- the forwards
+
+    @contextmanager
+    def _taps(self, backbone, capture: tuple[int, ...]) -> Iterator[tuple[list, list]]:
+        out, mids = [], [[] for _ in capture]
+        layers = backbone.layers
+        outs = [] if self.output is None else [_slot(backbone, self.output)]
+        slots = outs + [(layers, i) for i in capture]
+        boxes = [out][: len(outs)] + mids
+        tied = [self.output == self.embedding][: len(outs)] + [False] * len(capture)
+        with _swapped(slots, lambda i, m: Tap(m, boxes[i], on_linear=tied[i])):
+            yield out, mids
+
+    def _run(self, backbone, tokens, cache, capture) -> tuple[mx.array, mx.array, mx.array | None]:
+        layers = _captured(capture)
+        with self._taps(backbone, layers) as (out, mids):
+            logits = backbone(tokens[None], cache=cache)[0]
+        mid = mx.concatenate([m[0][0] for m in mids], axis=-1) if layers else None
+        # (no tapped projection: the logits stand in for the states, which nothing reads then)
+        return logits, (out[-1][0] if out else logits), mid
+
+    def tree_forward(self, backbone, tokens: mx.array, positions: mx.array, mask, cache, capture=None):
+        """Logits and states of a draft tree through the model's own ``__call__``.
+
+        Args:
+            tokens: int ``(N,)``, node 0 the root (the last emitted token), parents first.
+            positions: int32 ``(N,)`` each node's absolute position (may be lazy).
+            mask: bool ``(N, S)`` over the held cache entries and the tree (what each node
+                sees), or None where every node sees everything (a single node).
+            cache: the model's caches (:func:`~mlx_stream.cache.make_tree_cache`); the N
+                entries are appended (``keep`` the accepted path after verifying).
+            capture: a layer index, or a tuple of them: also return the hidden states
+                entering those layers, concatenated in that order.
+
+        Returns:
+            ``(logits (N, V), hidden (N, H), mid)``: the model's own logits (softcapping
+            and logit scales included), the input of its output projection, and ``(N, n*H)``
+            captured layer inputs or None.
+
+        Raises:
+            ValueError: a tree of more than one node on a model whose trees are off
+                (:attr:`trees` says why).
+        """
+        if tokens.shape[0] > 1 and self.trees is not None:
+            raise ValueError(f"draft trees are off for this model: {self.trees}")
         for c in cache:
-            c.set_tree(None)
+            c.tree = (mask, positions)
+        try:
+            if self.trees is not None:  # one node at the cache's end: the model's own positions
+                return self._run(backbone, tokens, cache, capture)
+            with node_positions(backbone, positions):
+                return self._run(backbone, tokens, cache, capture)
+        finally:
+            for c in cache:
+                c.tree = None
+
+    def tree_hidden(self, backbone, tokens, positions, mask, cache, capture=None):
+        """``(hidden, mid)`` of :meth:`tree_forward`."""
+        return self.tree_forward(backbone, tokens, positions, mask, cache, capture)[1:]
+
+    def prefill_forward(self, backbone, tokens: mx.array, cache, capture=None):
+        """A causal prefill of L tokens (the model's own forward): ``(logits (V,) at the last
+        position, hidden (L, H), mid (L, n*H) or None)``, as :meth:`tree_forward`."""
+        logits, hidden, mid = self._run(backbone, tokens, cache, capture)
+        return logits[-1], hidden, mid
+
+    def prefill_hidden(self, backbone, tokens, cache, capture=None):
+        """``(hidden, mid)`` of :meth:`prefill_forward`."""
+        return self.prefill_forward(backbone, tokens, cache, capture)[1:]
+
+    def project(self, backbone, hidden: mx.array) -> mx.array:
+        """The output projection alone: hidden ``(..., H)`` -> ``(..., V)`` (what drafters
+        score with; without the model's softcapping or logit scale, which keep the order).
+
+        Raises:
+            ValueError: the model's output projection could not be tapped (:attr:`output`).
+        """
+        out = self.output_layer(backbone)
+        return out.as_linear(hidden) if self.output == self.embedding else out(hidden)
+
+    def embed(self, backbone, tokens: mx.array) -> mx.array:
+        """The input embeddings of ``tokens``, ``(..., H)`` (before any scaling the model applies)."""
+        return self._module(backbone, self.embedding)(tokens)
+
+    def output_layer(self, backbone):
+        """The module of the output projection (holding its ``(V, H)`` weight).
+
+        Raises:
+            ValueError: the model multiplies by a raw matrix that cannot be tapped.
+        """
+        if self.output is None:
+            raise ValueError(
+                f"{type(backbone).__module__} computes its logits as a raw matrix product: stream heads "
+                "and drafters that read hidden states need an output projection module; use a draft model"
+            )
+        return self._module(backbone, self.output)
+
+    def state_size(self, backbone) -> int:
+        """Width of the states the heads read (the output projection's input).
+
+        Raises:
+            ValueError: as :meth:`output_layer`.
+        """
+        self.output_layer(backbone)
+        return self._width
+
+    # -- the self-check
+
+    def self_check(self, backbone, atol: float | None = None) -> str | None:
+        """Run a small draft tree against sequential forwards of each node's path (a few
+        tokens, once per model): None when every node's logits agree, else a one-line
+        reason why trees are off for this model.
+
+        ``atol``: the largest difference allowed, relative to the largest logit; by
+        default 1e-3 in float32, 5e-2 in lower precision (rounding differs between a
+        batched and a one-token forward; a wrong position or mask moves logits by their
+        whole scale). A model with no rotary embedding module reads positions some other
+        way (learned position embeddings, its own rotation): trees are off for it even
+        where a random model hides the difference.
+        """
+        if not rope_slots(backbone):
+            return (
+                f"{type(backbone).__module__} has no rotary embedding module to position tree nodes through "
+                "(learned or hand-computed positions)"
+            )
+        vocab = self.vocab
+        rng = np.random.default_rng(0)
+        prefix = rng.integers(0, vocab, 6).tolist()
+        tokens = rng.integers(0, vocab, 4).tolist()  # root; two children; a grandchild under the first
+        parents = [-1, 0, 0, 1]
+        depths = np.array([0, 1, 1, 2])
+        anc = np.eye(4, dtype=bool)
+        for i in range(1, 4):
+            anc[i] |= anc[parents[i]]
+        try:
+            cache = make_tree_cache(backbone)
+            backbone(mx.array(prefix)[None], cache=cache)
+            n = len(prefix)
+            mask = mx.concatenate([mx.ones((4, n), dtype=mx.bool_), mx.array(anc)], axis=1)
+            saved, self.trees = self.trees, None
+            try:
+                got = self.tree_forward(
+                    backbone, mx.array(tokens), mx.array(n + depths, dtype=mx.int32), mask, cache
+                )[0]
+            finally:
+                self.trees = saved
+            want = mx.stack(
+                [
+                    backbone(mx.array(prefix + [t for t, a in zip(tokens, anc[i]) if a])[None])[0, -1]
+                    for i in range(4)
+                ]
+            )
+            got, want = got.astype(mx.float32), want.astype(mx.float32)
+            mx.eval(got, want)
+        except Exception as e:  # noqa: BLE001  any failure of the substituted forward means no trees
+            return f"a draft tree does not run through {type(backbone).__module__} ({type(e).__name__}: {e})"
+        if atol is None:
+            atol = 1e-3 if got.dtype == mx.float32 and want.dtype == mx.float32 else 5e-2
+        scale = float(mx.abs(want).max()) or 1.0
+        err = float(mx.abs(got - want).max()) / scale
+        if err > atol or (got.argmax(-1) != want.argmax(-1)).any().item():
+            return (
+                f"a draft tree's logits differ from sequential decoding by {err:.2g} of their scale in "
+                f"{type(backbone).__module__} (positions or masks that bypass rope/make_mask)"
+            )
+        return None
+
+
+def _captured(capture) -> tuple[int, ...]:
+    return () if capture is None else (capture,) if isinstance(capture, int) else tuple(capture)
+
+
+__all__ = ["Generic", "NodeRoPE", "Tap", "node_positions", "rope_slots"]

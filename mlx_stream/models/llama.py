@@ -12,6 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
+from .projected import projected
+
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -205,3 +207,6 @@ def main_stream_kv(backbone, x: mx.array, num_layers: int) -> list:
         h = layer(h, "causal", c)  # right padding: real positions never see pads
         out.append((c.keys[..., : x.shape[1], :], c.values[..., : x.shape[1], :]))
     return out
+
+
+tree_forward, prefill_forward = projected(tree_hidden, prefill_hidden, project)

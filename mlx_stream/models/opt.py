@@ -26,6 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask, scaled_dot_product_attention
 
+from .projected import projected
+
 FAMILY = ("opt",)
 POSITION_OFFSET = 2  # OPT's learned position table has two extra leading rows
 
@@ -249,3 +251,6 @@ def output_layer(backbone):
 def state_size(backbone) -> int:
     """Width of the states the heads read (the output projection's input)."""
     return int(backbone.args.word_embed_proj_dim)
+
+
+tree_forward, prefill_forward = projected(tree_hidden, prefill_hidden, project)

@@ -212,8 +212,8 @@ def _short(e: BaseException) -> str:
 
 
 def check(model_type: str, tok) -> dict:
-    from heads.io import new_heads
     from mlx_stream import SpeculativeModel, load_draft
+    from mlx_stream.heads import new_heads
     from mlx_stream.tree import parse_tree
 
     row = {"type": model_type}
@@ -265,19 +265,26 @@ def check(model_type: str, tok) -> dict:
 COLUMNS = ("plain", "trees", "draft model", "heads", "sampling")
 
 
-def cell(v: str | None) -> str:
+def _split(v: str | None) -> tuple[str, str]:
+    # "off: why" -> ("off", "why"); "yes" -> ("yes", "")
     if v is None:
-        return "-"
-    return v if len(v) < 60 else v[:57] + "..."
+        return "-", ""
+    word, _, why = v.partition(": ")
+    return word, why
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model type | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    out = ["| model type | " + " | ".join(COLUMNS) + " | why not |", "|---" * (len(COLUMNS) + 2) + "|"]
     for r in rows:
         if r["built"] != "yes":
-            out.append(f"| `{r['type']}` | not checked ({cell(r['built'])}) |" + " |" * (len(COLUMNS) - 1))
+            why = _split(r["built"])[1].replace("|", "/")
+            out.append(
+                f"| `{r['type']}` |" + " not checked |" * len(COLUMNS) + f" no tiny model built here: {why} |"
+            )
             continue
-        out.append(f"| `{r['type']}` | " + " | ".join(cell(r.get(c)) for c in COLUMNS) + " |")
+        cells = [_split(r.get(c)) for c in COLUMNS]
+        why = next((w for _, w in cells if w), "").replace("|", "/")
+        out.append(f"| `{r['type']}` | " + " | ".join(c for c, _ in cells) + f" | {why} |")
     return "\n".join(out)
 
 

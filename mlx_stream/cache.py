@@ -19,6 +19,7 @@ Three kinds, each with mlx-lm's semantics for the same settings:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -271,12 +272,69 @@ class WindowKVCache(TreeMask):
         return mx.array(see)
 
 
+class OwnCache:
+    """A cache of the model's own kind that a rejected draft cannot be taken out of
+    (a recurrent layer's state: mlx-lm's ``ArraysCache``/``MambaCache``; ``CacheList``,
+    ``ChunkedKVCache``, ...), kept as mlx-lm keeps it, for plain decoding, which never
+    rewinds. Mixed into the model's own cache object (its class is swapped for a
+    subclass, so the model's code sees the object it made).
+
+    Attributes:
+        tokens_read: tokens through the cache (counted by the forward that feeds it:
+            :class:`~mlx_stream.models.generic.Generic`).
+    """
+
+    tokens_read = 0
+
+    def keep(self, start: int, nodes: Sequence[int]) -> None:
+        """Keep ``nodes`` of the entries written at ``start``: only all of them, in order.
+
+        Raises:
+            ValueError: anything else (a recurrent state cannot drop a token it has read).
+        """
+        if list(nodes) != list(range(len(nodes))) or start + len(nodes) != self.tokens_read:
+            raise ValueError("a recurrent layer's state cannot drop tokens it has read (plain decoding only)")
+
+    def rewindable_to(self, length: int) -> bool:
+        """Only to where it is (its state holds every token it has read)."""
+        return length >= self.tokens_read
+
+    def trim(self, n: int) -> int:
+        if n:
+            raise ValueError("a recurrent layer's state cannot be trimmed")
+        return 0
+
+
+@functools.cache
+def _own_class(kind: type) -> type:
+    return type(kind.__name__, (OwnCache, kind), {})
+
+
+def own_cache(cache) -> OwnCache:
+    """``cache`` (a model's own cache object) as an :class:`OwnCache`, in place."""
+    cache.__class__ = _own_class(type(cache))
+    return cache
+
+
 def cache_kinds(backbone) -> list:
     """The caches an mlx-lm model asks for, one per cache entry (``make_cache()``; one
     ``KVCache`` per layer where the model has no ``make_cache``)."""
     if hasattr(backbone, "make_cache"):
         return list(backbone.make_cache())
     return [KVCache() for _ in backbone.layers]
+
+
+def unrewindable(backbone) -> str | None:
+    """Why a rejected draft could not be taken back out of ``backbone``'s caches (the
+    kinds named: recurrent ``ArraysCache``/``MambaCache``, ``CacheList``, ...), or None
+    where every layer keeps keys and values."""
+    kinds = cache_kinds(backbone)
+    bad = {type(c).__name__ for c in kinds} - {"KVCache", "RotatingKVCache"}
+    if any(type(c).__name__ == "RotatingKVCache" and c.keep for c in kinds):
+        bad.add("RotatingKVCache with attention sinks")
+    if not bad:
+        return None
+    return f"this model uses {', '.join(sorted(bad))}, which a rejected draft cannot be taken out of"
 
 
 def make_tree_cache(backbone, max_kv_size: int | None = None) -> list:
@@ -286,23 +344,20 @@ def make_tree_cache(backbone, max_kv_size: int | None = None) -> list:
     A sliding-window layer (mlx-lm's ``RotatingKVCache(window, keep=0)``) gets a
     :class:`WindowKVCache` of that window without sinks: its entries stay in order a little
     past the window (bounded memory) and the window is applied by the mask, so a rejected
-    draft can be rewound (mlx-lm's own rotating cache cannot trim once it wraps).
+    draft can be rewound (mlx-lm's own rotating cache cannot trim once it wraps). Where
+    the model asks for caches that cannot be rewound (:func:`unrewindable`), every entry
+    is the model's own cache (:class:`OwnCache`): plain decoding only.
 
     Raises:
-        ValueError: the model asks for caches that cannot be rewound (state-space
-            ``ArraysCache``/``MambaCache``, ``CacheList``, ``ChunkedKVCache``, ...), named
-            in the message; or ``max_kv_size`` on a model with sliding-window layers.
+        ValueError: ``max_kv_size`` on a model with sliding-window layers or caches of
+            its own kind.
     """
     kinds = cache_kinds(backbone)
     names = {type(c).__name__ for c in kinds}
-    bad = names - {"KVCache", "RotatingKVCache"}
-    if any(type(c).__name__ == "RotatingKVCache" and c.keep for c in kinds):
-        bad.add("RotatingKVCache with attention sinks")
-    if bad:
-        raise ValueError(
-            f"this model uses {', '.join(sorted(bad))}, which cannot be rewound after a "
-            "rejected draft; tree decoding needs key/value caches"
-        )
+    if unrewindable(backbone) is not None:
+        if max_kv_size is not None:
+            raise ValueError("max_kv_size: this model builds caches of its own kind; leave out max_kv_size")
+        return [own_cache(c) for c in kinds]
     if max_kv_size is not None:
         if "RotatingKVCache" in names:
             raise ValueError(
@@ -343,8 +398,9 @@ def attention_mask(cache: list, depths: np.ndarray, ancestors: np.ndarray) -> mx
 
 def can_rewind(cache: Sequence, length: int) -> bool:
     """Whether trimming every layer back to ``length`` tokens gives what a fresh prefill
-    would (:meth:`WindowKVCache.rewindable_to` on bounded layers; always for the others)."""
-    return all(c.rewindable_to(length) for c in cache if isinstance(c, WindowKVCache))
+    would (:meth:`WindowKVCache.rewindable_to` on bounded layers, :meth:`OwnCache.rewindable_to`
+    on recurrent ones; always for the others)."""
+    return all(c.rewindable_to(length) for c in cache if isinstance(c, (WindowKVCache, OwnCache)))
 
 
 def evict(cache: Sequence) -> None:
@@ -354,15 +410,21 @@ def evict(cache: Sequence) -> None:
             c.evict()
 
 
+def tokens_in(c) -> int:
+    """Tokens through one layer's cache."""
+    return c.tokens_read if isinstance(c, OwnCache) else c.offset
+
+
 def cache_offset(cache: Sequence[TreeKVCache]) -> int:
     """Number of tokens held by the cache (all layers hold the same)."""
-    return cache[0].offset
+    return tokens_in(cache[0])
 
 
 def trim_cache(cache: Sequence[TreeKVCache], length: int) -> None:
     """Drop entries past ``length`` in every layer (used to reuse a prompt prefix)."""
     for c in cache:
-        c.trim(c.offset - length)
+        if tokens_in(c) > length:
+            c.trim(tokens_in(c) - length)
 
 
 def keep_path(cache: Sequence[TreeKVCache], start: int, nodes: Sequence[int]) -> None:

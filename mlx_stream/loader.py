@@ -432,10 +432,7 @@ def load_draft(
     vocab = check_draft_tokenizer(
         tokenizer, draft_tok, target.args.vocab_size, text_args(backbone).vocab_size
     )
-    from .cache import make_tree_cache
-
-    make_tree_cache(backbone)  # refuses caches that cannot be rewound, before any decoding
-    draft = DraftModel(backbone, vocab, name)
+    draft = DraftModel(backbone, vocab, name)  # refuses a model whose draft trees cannot run
     draft.p_min = draft.p_min if p_min is None else float(p_min)
     if calibrate:
         from .calibrate import calibrate_draft

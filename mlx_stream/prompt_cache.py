@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .cache import TreeKVCache, TreeQuantizedKVCache, WindowKVCache, make_tree_cache
+from .cache import OwnCache, TreeKVCache, TreeQuantizedKVCache, WindowKVCache, make_tree_cache
 from .checks import kind, require_int, require_path, require_tokenizer
 from .generate import PromptCache
 from .model import require_model
@@ -28,6 +28,12 @@ from .models import head_dim
 TOKENS_KEY = "mlx_stream_tokens"  # (no dots: mlx-lm unflattens the metadata on them)
 FINGERPRINT_KEY = "mlx_stream_fingerprint"
 SOURCE_KEY = "mlx_stream_prompt"  # PromptCache.source: the system prompt and open user turn cached
+
+
+_RECURRENT = (
+    "this model keeps recurrent state in some layers: prompt cache files hold key/value caches "
+    "only; keep the prompt cache in memory (PromptCache, ChatSession) instead"
+)
 
 
 def save_prompt_cache(path: str | Path, cache: PromptCache, model_spec: str, tokenizer) -> Path:
@@ -66,6 +72,8 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, model_spec: str, tok
     if not cache.tokens:
         raise ValueError("the prompt cache is empty: prefill a prompt first")
     layers = []
+    if any(isinstance(c, OwnCache) for c in cache.layers):
+        raise ValueError(_RECURRENT)
     for c in cache.layers:
         n = c.offset
         if isinstance(c, WindowKVCache) and c.keep_first == 0:
@@ -139,6 +147,8 @@ def load_prompt_cache(path: str | Path, model, tokenizer) -> PromptCache:
         )
     # the shapes this model's own caches take: one token through a fresh cache
     fresh = make_tree_cache(backbone)
+    if any(isinstance(c, OwnCache) for c in fresh):
+        raise ValueError(_RECURRENT)
     backbone(mx.array([[0]]), cache=fresh)
     if len(layers) != len(fresh):
         raise ValueError(

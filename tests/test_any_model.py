@@ -260,8 +260,8 @@ def test_greedy_output_equals_plain_mlx_lm_with_every_drafter(model_type, tok):
     past a sliding window of 4: token for token plain mlx-lm's."""
     from helpers import SelfDrafter, assert_greedy_identical, mlx_lm_greedy, ours
 
-    from heads.io import new_heads
     from mlx_stream import SpeculativeModel, load_draft
+    from mlx_stream.heads import new_heads
     from mlx_stream.tree import parse_tree
 
     vocab = len(tok.vocab)
@@ -369,3 +369,76 @@ def test_sliding_window_layers_stay_bounded_and_exact_past_their_eviction(model_
         assert windows and all(c.dropped > 0 for c in windows)
         # what they hold: the window, the slack before a drop, a step's tree; not all 200+ tokens
         assert max(c.offset - c.dropped for c in windows) <= WINDOW + 64 + 8 and windows[0].offset > 160
+
+
+RECURRENT = {
+    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    | dict(shared_expert_intermediate_size=32, mlp_only_layers=[], norm_topk_prob=True, rope_theta=1e4)
+    | dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    | dict(linear_conv_kernel_dim=4, partial_rotary_factor=0.5, full_attention_interval=2)
+    | dict(tie_word_embeddings=False, attention_bias=False),
+    "mamba2": dict(num_heads=4, state_size=16, conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True)
+    | dict(time_step_rank=8, time_step_limit=(0.0, float("inf")), layer_norm_epsilon=1e-5)
+    | dict(tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("model_type", RECURRENT)
+def test_recurrent_models_decode_plainly_and_refuse_drafting_in_one_line(model_type, tok):
+    """Layers with a recurrent state (Gated DeltaNet, Mamba-2) cannot take a rejected draft
+    back: such a model still decodes through our loop with its own caches, equal to plain
+    mlx-lm (greedy, and seeded sampling repeating itself), a chat reuses its cache across
+    turns, and drafting is refused naming why."""
+    from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+
+    from mlx_stream import ChatSession, PromptCache, SpeculativeModel, stream_generate
+
+    mod = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(1)
+    backbone = mod.Model(
+        mod.ModelArgs.from_dict(
+            dict(BASE, model_type=model_type, vocab_size=len(tok.vocab)) | RECURRENT[model_type]
+        )
+    )
+    backbone.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, backbone.parameters()))
+    model = SpeculativeModel(backbone)
+    assert "plain decoding only" in model.family.trees
+    ids = tok.encode(PROMPT)
+    got, _ = ours(model, tok, ids, 48)
+    assert assert_greedy_identical(model, ids, got, mlx_lm_greedy(backbone, tok, ids, 48)) in ("equal", "tie")
+    once, _ = ours(model, tok, ids, 24, temp=0.8, seed=3)
+    assert ours(model, tok, ids, 24, temp=0.8, seed=3)[0] == once
+    # a prompt that continues the cache reuses its state; one that departs from it starts over
+    pc = PromptCache(model)
+    ours(model, tok, ids, 12, prompt_cache=pc)
+    held = list(pc.tokens)
+    for more in (held + tok.encode(" and again"), ids[:5] + tok.encode(" other")):
+        got, rs = ours(model, tok, more, 12, prompt_cache=pc)
+        assert rs[-1].cached_tokens == (len(held) if more[: len(held)] == held else 0)
+        assert assert_greedy_identical(model, more, got, mlx_lm_greedy(backbone, tok, more, 12)) in (
+            "equal",
+            "tie",
+        )
+        held = list(pc.tokens)
+    chat = ChatSession(model, tok, max_tokens=12, temp=0.0)
+    for turn in ("Hello there", "And again"):
+        assert list(chat.send(turn))
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 2
+    with pytest.raises(ValueError, match="decodes plainly only: this model uses ArraysCache"):
+        next(stream_generate(model, tok, PROMPT, prompt_lookup=2))
+
+
+def test_self_speculative_drafting_on_a_model_of_the_generic_path(tok, tmp_path, monkeypatch):
+    """``draft_model="self"`` (a calibrated subset of the target's layers) on qwen3_moe:
+    lossless and drafting; on gemma3_text (caches laid out by layer) refused in one line."""
+    from helpers import mlx_lm_greedy, ours
+
+    from mlx_stream import load_draft
+
+    monkeypatch.setenv("MLX_STREAM_CACHE", str(tmp_path / "cache"))
+    model = loop_model("qwen3_moe", len(tok.vocab))
+    ids = tok.encode(PROMPT)
+    got, rs = ours(model, tok, ids, 40, draft_model=load_draft("self", model, tok), num_draft_tokens=2)
+    assert got == mlx_lm_greedy(model.backbone, tok, ids, 40) and rs[-1].tau > 1.2
+    with pytest.raises(ValueError, match="lays out its caches by layer"):
+        load_draft("self", loop_model("gemma3_text", len(tok.vocab)), tok)

@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..cache import cache_kinds, make_tree_cache
+from ..cache import OwnCache, cache_kinds, make_tree_cache, unrewindable
 from .args import text_args
 
 FAMILY: tuple[str, ...] = ()  # chosen by models.family for every type without a module of its own
@@ -187,26 +187,27 @@ class Generic:
             read hidden states are refused; trees and draft models still work).
         embedding: dotted path of the input embedding.
         windowed: whether some layers attend over a sliding window.
-        trees: why draft trees cannot run through this model (a one-line reason), or None
-            when :meth:`self_check` found them exact.
+        trees: why draft trees cannot run through this model (a one-line reason: caches a
+            rejected draft cannot be taken out of, such as recurrent layers', which then
+            are the model's own and decode plainly; or a failed :meth:`self_check`), or
+            None when :meth:`self_check` found them exact.
 
     Raises:
-        ValueError: the model's caches cannot be rewound (recurrent layers, ...), or it has
-            no token embedding.
+        ValueError: the model has no token embedding.
     """
 
     def __init__(self, backbone: nn.Module):
         kinds = cache_kinds(backbone)
-        make_tree_cache(backbone)  # refuses caches that cannot be rewound, naming them
-        self.windowed = any(type(c).__name__ == "RotatingKVCache" for c in kinds)
+        own = unrewindable(backbone)  # recurrent layers: the model's own caches, plain decoding
+        self.windowed = own is None and any(type(c).__name__ == "RotatingKVCache" for c in kinds)
         self.vocab = int(text_args(backbone).vocab_size)
-        self.output, self.embedding, self._width = self._probe(backbone)
+        self.output, self.embedding, self._width = self._probe(backbone, check_windows=own is None)
         self.trees: str | None = None
-        self.trees = self.self_check(backbone)
+        self.trees = f"{own}: plain decoding only" if own else self.self_check(backbone)
 
     # -- finding the model's own modules
 
-    def _probe(self, backbone) -> tuple[str | None, str, int | None]:
+    def _probe(self, backbone, check_windows: bool) -> tuple[str | None, str, int | None]:
         # the output projection is the last candidate module the model's forward calls
         cands = _output_candidates(backbone, self.vocab)
         boxes, order = [[] for _ in cands], []
@@ -215,14 +216,14 @@ class Generic:
         if not embeds:
             raise ValueError(f"{type(backbone).__module__}: no token embedding found")
         cache, asked = make_tree_cache(backbone), set()
-        for c in cache:  # note the windows the model asks its masks for
+        for c in cache if check_windows else ():  # note the windows the model asks its masks for
             c.make_mask = lambda *a, _c=c, **k: (
                 asked.add(k.get("window_size")) or type(_c).make_mask(_c, *a, **k)
             )
         with _swapped(slots, lambda i, m: _OrderedTap(m, boxes[i], cands[i][1], i, order)):
             backbone(mx.array([[0]]), cache=cache)
         sizes = {c.max_size for c in cache_kinds(backbone) if type(c).__name__ == "RotatingKVCache"}
-        if not sizes <= asked:
+        if check_windows and not sizes <= asked:
             # a layer whose rotating cache, not its mask, bounds what it sees: mlx-lm's own
             # output depends on that cache's wrap-around, which a rewindable cache cannot follow
             raise ValueError(
@@ -256,6 +257,9 @@ class Generic:
         layers = _captured(capture)
         with self._taps(backbone, layers) as (out, mids):
             logits = backbone(tokens[None], cache=cache)[0]
+        for c in cache:
+            if isinstance(c, OwnCache):  # (mlx-lm's recurrent caches count no tokens)
+                c.tokens_read += tokens.shape[0]
         mid = mx.concatenate([m[0][0] for m in mids], axis=-1) if layers else None
         # (no tapped projection: the logits stand in for the states, which nothing reads then)
         return logits, (out[-1][0] if out else logits), mid
@@ -284,11 +288,11 @@ class Generic:
         """
         if tokens.shape[0] > 1 and self.trees is not None:
             raise ValueError(f"draft trees are off for this model: {self.trees}")
+        if self.trees is not None:  # one node at the cache's end: the model's own positions and masks
+            return self._run(backbone, tokens, cache, capture)
         for c in cache:
             c.tree = (mask, positions)
         try:
-            if self.trees is not None:  # one node at the cache's end: the model's own positions
-                return self._run(backbone, tokens, cache, capture)
             with node_positions(backbone, positions):
                 return self._run(backbone, tokens, cache, capture)
         finally:

@@ -10,7 +10,9 @@ Columns: **plain** greedy decoding through our loop equals plain ``mlx_lm.stream
 **trees**: the load-time self-check found a draft tree's logits equal to sequential ones
 (and then a tree drafted by the target itself, greedy, equals mlx-lm); **draft model**: a
 perturbed copy drafting a chain of 3, greedy, equals mlx-lm; **heads**: fresh random stream
-heads drafting a tree, greedy, equals mlx-lm; **sampling**: seeded sampling (T = 0.7) with
+heads drafting a tree, greedy, equals mlx-lm; **eagle**: a fresh EAGLE-3-style draft layer
+over the final state and two lower layers' inputs, drafting a dynamic tree, greedy, equals
+mlx-lm; **sampling**: seeded sampling (T = 0.7) with
 prompt lookup and the self-drafted tree equals seeded plain sampling. 24 tokens past a
 sliding window of 4 where the model has one. "-": not reached (an earlier column failed).
 """
@@ -208,7 +210,12 @@ def same(model, ids, got, ref) -> bool:
 
 
 def _short(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+
+
+def _failed(e: BaseException) -> str:
+    # a ValueError is our one-line refusal; anything else is a defect
+    return f"refused: {str(e).splitlines()[0]}"[:200] if isinstance(e, ValueError) else f"error: {_short(e)}"
 
 
 def check(model_type: str, tok) -> dict:
@@ -246,13 +253,19 @@ def check(model_type: str, tok) -> dict:
         got, _ = ours(model, tok, ids, TOKENS, draft_model=draft, num_draft_tokens=3, adaptive=False)
         row["draft model"] = "yes" if same(model, ids, got, ref) else "DIFFERS"
     except Exception as e:  # noqa: BLE001
-        row["draft model"] = f"error: {_short(e)}"
+        row["draft model"] = _failed(e)
     try:
         heads = SpeculativeModel(backbone, new_heads(backbone, tok, num_heads=3, seed=1, scale=0.02))
         got, _ = ours(heads, tok, ids, TOKENS, tree="0;1;0,0", adaptive=False)
         row["heads"] = "yes" if same(model, ids, got, ref) else "DIFFERS"
     except Exception as e:  # noqa: BLE001
-        row["heads"] = f"error: {_short(e)}"
+        row["heads"] = _failed(e)
+    try:
+        eagle = new_heads(backbone, tok, num_heads=3, architecture="eagle", fuse_layers=(0, 1), seed=1)
+        got, _ = ours(SpeculativeModel(backbone, eagle), tok, ids, TOKENS, tree="dynamic:6,3", adaptive=False)
+        row["eagle"] = "yes" if same(model, ids, got, ref) else "DIFFERS"
+    except Exception as e:  # noqa: BLE001
+        row["eagle"] = _failed(e)
     plain, _ = ours(model, tok, ids, TOKENS, temp=0.7, seed=5, prompt_lookup=0, adaptive=False)
     drafted, _ = ours(
         model, tok, ids, TOKENS, temp=0.7, seed=5, drafter=SelfDrafter(model, tree), adaptive=False
@@ -262,7 +275,7 @@ def check(model_type: str, tok) -> dict:
     return row
 
 
-COLUMNS = ("plain", "trees", "draft model", "heads", "sampling")
+COLUMNS = ("plain", "trees", "draft model", "heads", "eagle", "sampling")
 
 
 def _split(v: str | None) -> tuple[str, str]:

@@ -23,22 +23,44 @@ import mlx.nn as nn
 
 
 def layer_spec(backbone) -> dict:
-    """What rebuilds a decoder layer like the backbone's: ``{"model_type", "args"}``
-    (mlx-lm's ``ModelArgs`` fields), stored in the heads' config.
+    """What rebuilds the draft layer: ``{"model_type", "args"}`` (mlx-lm's ``ModelArgs``
+    fields), stored in the heads' config. A llama-family backbone's own decoder layer (its
+    top layer's weights can start the draft layer); for any other mlx-lm backbone, a llama
+    decoder layer of the backbone's width, heads and rope base (the published EAGLE-3 heads
+    of Qwen, gpt-oss and DeepSeek targets are llama layers too), started at random.
 
     Raises:
-        ValueError: a backbone outside the llama family (llama, mistral, qwen2, qwen3).
+        ValueError: OPT (not an mlx-lm model; its heads are hydra or residual).
     """
-    from mlx_stream.models import llama
+    from mlx_stream.models import family, llama, model_type, text_args
 
-    model_type = getattr(backbone.args, "model_type", None) or getattr(backbone, "model_type", None)
-    if model_type not in llama.FAMILY:
+    kind = model_type(backbone)
+    if kind in llama.FAMILY:
+        args = {k: v for k, v in asdict(backbone.args).items() if not callable(v)}
+        return {"model_type": kind, "args": args}
+    if kind == "opt":
         raise ValueError(
-            f"eagle heads need a llama-family backbone ({', '.join(llama.FAMILY)}), not {model_type!r}: "
+            f"eagle heads need an mlx-lm backbone (llama-family or any other), not {kind!r}: "
             "use hydra or residual heads"
         )
-    args = {k: v for k, v in asdict(backbone.args).items() if not callable(v)}
-    return {"model_type": model_type, "args": args}
+    a = text_args(backbone)
+    width = family(backbone).state_size(backbone)
+    heads = int(getattr(a, "num_attention_heads", 0) or max(width // 64, 1))
+    args = {
+        "model_type": "llama",
+        "hidden_size": width,
+        "num_hidden_layers": 1,
+        "intermediate_size": int(getattr(a, "intermediate_size", 0) or 4 * width),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(a, "num_key_value_heads", 0) or heads),
+        "head_dim": width // heads,
+        "rms_norm_eps": float(getattr(a, "rms_norm_eps", 0) or 1e-6),
+        "vocab_size": int(a.vocab_size),
+        "rope_theta": float(getattr(a, "rope_theta", 0) or 1e4),
+        "max_position_embeddings": int(getattr(a, "max_position_embeddings", 0) or 4096),
+        "tie_word_embeddings": False,
+    }
+    return {"model_type": "llama", "args": args}
 
 
 def build_layer(spec: dict) -> nn.Module:
@@ -61,6 +83,7 @@ class EagleDraft(nn.Module):
         eps = float(spec["args"].get("rms_norm_eps", 1e-5))
         self.fc = nn.Linear(2 * hidden_size, hidden_size)
         self.layer = build_layer(spec)
+        self.spec_type = spec["model_type"]
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         if fused:
             self.fuse_norms = [nn.RMSNorm(hidden_size, eps=eps) for _ in range(fused)]

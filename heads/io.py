@@ -157,7 +157,7 @@ def _init_draft_layer(draft, backbone, copy_top_layer: bool) -> None:
     # passes f_t through (up to its norm) and first predicts the backbone's own next token,
     # as a fresh hydra head does (held-out top-1 0.19 -> 0.29 on the same data,
     # docs/benchmarks.md, "Head architectures and ablations")
-    if copy_top_layer:
+    if copy_top_layer and draft.spec_type == getattr(backbone, "model_type", None):  # a layer like its own
         draft.layer.load_weights(tree_flatten(backbone.model.layers[-1].parameters()), strict=True)
     layer, H = draft.layer, draft.fc.weight.shape[0]
     layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)

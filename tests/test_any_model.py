@@ -256,8 +256,10 @@ def loop_model(model_type, vocab, seed=1, noise=0.0):
 @pytest.mark.parametrize("model_type", LOOP)
 def test_greedy_output_equals_plain_mlx_lm_with_every_drafter(model_type, tok):
     """Plain decoding, a draft tree from the target itself (every node accepted often),
-    prompt lookup, fresh stream heads and a draft model (chain and tree), each 40 tokens
-    past a sliding window of 4: token for token plain mlx-lm's."""
+    prompt lookup, fresh stream heads, a fresh EAGLE-3-style draft layer (fused layer
+    inputs, dynamic tree) and a draft model (chain and tree), each 40 tokens
+    past a sliding window of 4: token for token plain mlx-lm's; and seeded sampling with
+    them equal to seeded plain sampling."""
     from helpers import SelfDrafter, assert_greedy_identical, mlx_lm_greedy, ours
 
     from mlx_stream import SpeculativeModel, load_draft
@@ -280,6 +282,11 @@ def test_greedy_output_equals_plain_mlx_lm_with_every_drafter(model_type, tok):
     runs["heads"] = ours(
         SpeculativeModel(model.backbone, heads), tok, ids, 40, tree="0;1;0,0", adaptive=False
     )
+    # an EAGLE-3-style draft layer over the final state and two lower layers' inputs (fresh)
+    eagle = new_heads(model.backbone, tok, num_heads=3, architecture="eagle", fuse_layers=(0, 1), seed=1)
+    runs["eagle"] = ours(
+        SpeculativeModel(model.backbone, eagle), tok, ids, 40, tree="dynamic:6,3", adaptive=False
+    )
     draft = load_draft((loop_model(model_type, vocab, noise=0.01).backbone, tok), model, tok, calibrate=False)
     runs["draft chain"] = ours(model, tok, ids, 40, draft_model=draft, num_draft_tokens=3, adaptive=False)
     runs["draft tree"] = ours(model, tok, ids, 40, draft_model=draft, tree="dynamic:6,3", adaptive=False)
@@ -287,6 +294,15 @@ def test_greedy_output_equals_plain_mlx_lm_with_every_drafter(model_type, tok):
         assert assert_greedy_identical(model, ids, got, ref) in ("equal", "tie"), name
     passes = {name: responses[-1].forward_passes for name, (got, responses) in runs.items()}
     assert passes["self tree"] < passes["plain"] and passes["draft chain"] < passes["plain"], passes
+    assert sum(r.drafted for r in runs["eagle"][1]) > 0  # it drafts (fresh, random model: rarely right)
+    # seeded sampling (T = 0.8): each drafter draws exactly what plain decoding draws
+    plain = ours(model, tok, ids, 24, temp=0.8, seed=7, prompt_lookup=0, adaptive=False)[0]
+    for kw in (
+        {"drafter": SelfDrafter(model, parse_tree("0;1;0,0", 2))},
+        {"prompt_lookup": 2},
+        {"draft_model": draft, "num_draft_tokens": 3},
+    ):
+        assert ours(model, tok, ids, 24, temp=0.8, seed=7, adaptive=False, **kw)[0] == plain, kw
 
 
 def test_a_model_with_learned_positions_decodes_plainly_and_refuses_drafting(tok):

@@ -113,10 +113,10 @@ class Tap(nn.Module):
         object.__setattr__(self, "_box", box)  # not a parameter
         self._on_linear = on_linear
 
-    def __call__(self, x, *args, **kwargs):
-        if not self._on_linear:
-            self._box.append(x)
-        return self.inner(x, *args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        if not self._on_linear:  # the input: the first argument, positional or not
+            self._box.append(args[0] if args else next(iter(kwargs.values())))
+        return self.inner(*args, **kwargs)
 
     def as_linear(self, x):
         self._box.append(x)
@@ -135,6 +135,18 @@ def _slot(root: nn.Module, path: str) -> tuple[nn.Module, str]:
     for p in parents:
         m = m[int(p)] if isinstance(m, list) else m[p]
     return m, (int(key) if isinstance(m, list) else key)
+
+
+def _layer_slots(backbone: nn.Module, i: int) -> list[tuple[list, int]]:
+    # every place that holds decoder layer i: the model may iterate another list than
+    # ``backbone.layers`` (a pipeline's slice of them, qwen3_moe's ``pipeline_layers``)
+    layer, seen, out = backbone.layers[i], set(), []
+    for _, m in backbone.named_modules():
+        for v in m.values():
+            if isinstance(v, list) and id(v) not in seen:
+                seen.add(id(v))
+                out += [(v, j) for j, x in enumerate(v) if x is layer]
+    return out
 
 
 def _output_candidates(backbone: nn.Module, vocab: int) -> list[tuple[str, bool]]:
@@ -157,10 +169,10 @@ class _OrderedTap(Tap):
         super().__init__(inner, box, on_linear)
         object.__setattr__(self, "_note", lambda: order.append(index))
 
-    def __call__(self, x, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         if not self._on_linear:
             self._note()
-        return super().__call__(x, *args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def as_linear(self, x):
         self._note()
@@ -245,11 +257,11 @@ class Generic:
     @contextmanager
     def _taps(self, backbone, capture: tuple[int, ...]) -> Iterator[tuple[list, list]]:
         out, mids = [], [[] for _ in capture]
-        layers = backbone.layers
         outs = [] if self.output is None else [_slot(backbone, self.output)]
-        slots = outs + [(layers, i) for i in capture]
-        boxes = [out][: len(outs)] + mids
-        tied = [self.output == self.embedding][: len(outs)] + [False] * len(capture)
+        layer_slots = [_layer_slots(backbone, i) for i in capture]
+        slots = outs + [s for ls in layer_slots for s in ls]
+        boxes = [out][: len(outs)] + [box for box, ls in zip(mids, layer_slots) for _ in ls]
+        tied = [self.output == self.embedding][: len(outs)] + [False] * (len(slots) - len(outs))
         with _swapped(slots, lambda i, m: Tap(m, boxes[i], on_linear=tied[i])):
             yield out, mids
 
@@ -260,6 +272,12 @@ class Generic:
         for c in cache:
             if isinstance(c, OwnCache):  # (mlx-lm's recurrent caches count no tokens)
                 c.tokens_read += tokens.shape[0]
+        if any(not m for m in mids):
+            raise ValueError(
+                f"{type(backbone).__module__} does not call its decoder layers from a list this forward "
+                f"can see, so the inputs of layers {list(layers)} cannot be captured: use heads that read "
+                "only the final hidden state (residual, hydra, eagle without fused layers)"
+            )
         mid = mx.concatenate([m[0][0] for m in mids], axis=-1) if layers else None
         # (no tapped projection: the logits stand in for the states, which nothing reads then)
         return logits, (out[-1][0] if out else logits), mid

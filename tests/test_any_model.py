@@ -98,11 +98,10 @@ TOKENS = [20, 30, 31, 40, 41, 42]  # root; 30 and 31 under it; 40 under 30, 41 u
 PARENTS = [-1, 0, 0, 1, 3, 2]
 
 
-def tiny(model_type: str, vocab: int = BASE["vocab_size"], seed: int = 0):
+def tiny(model_type: str, vocab: int = BASE["vocab_size"], seed: int = 0, **over):
     mod = importlib.import_module(f"mlx_lm.models.{model_type}")
-    args = mod.ModelArgs.from_dict(
-        dict(BASE, model_type=model_type, vocab_size=vocab, **MODELS[model_type][1])
-    )
+    cfg = dict(BASE, model_type=model_type, vocab_size=vocab, vocab_size_per_layer_input=vocab)
+    args = mod.ModelArgs.from_dict(cfg | MODELS[model_type][1] | over)
     mx.random.seed(seed)
     model = mod.Model(args)
     # weights 4x mlx-lm's initialisation: logits spread wide enough that random models have no near-ties
@@ -237,11 +236,11 @@ def tok(tiny_dir):
     return mlx_lm.load(str(tiny_dir))[1]
 
 
-def loop_model(model_type, vocab, seed=1, noise=0.0):
+def loop_model(model_type, vocab, seed=1, noise=0.0, **over):
     # seed 1: every model here writes 160 tokens from PROMPT before its end-of-text token
     from mlx_stream import SpeculativeModel
 
-    model = tiny(model_type, vocab=vocab, seed=seed)
+    model = tiny(model_type, vocab=vocab, seed=seed, **over)
     if noise:  # a draft model: the target's weights, perturbed
         mx.random.seed(seed + 1)
         model.update(
@@ -458,3 +457,37 @@ def test_self_speculative_drafting_on_a_model_of_the_generic_path(tok, tmp_path,
     assert got == mlx_lm_greedy(model.backbone, tok, ids, 40) and rs[-1].tau > 1.2
     with pytest.raises(ValueError, match="lays out its caches by layer"):
         load_draft("self", loop_model("gemma3_text", len(tok.vocab)), tok)
+
+
+def test_bounded_and_quantized_caches_and_prompt_cache_files_on_a_generic_model(tok, tmp_path):
+    """What works on the llama family works through the generic path (qwen3_moe):
+    ``max_kv_size`` (plain and with a draft tree) and ``kv_bits`` equal mlx-lm's same
+    settings, and a prompt-cache file saved and loaded continues as a cold start does."""
+    import mlx_lm
+    from helpers import SelfDrafter, ours
+
+    from mlx_stream import cache_prompt, load_prompt_cache, save_prompt_cache
+    from mlx_stream.tree import parse_tree
+
+    model = loop_model("qwen3_moe", len(tok.vocab), head_dim=32)  # a width KV quantization groups fit
+    ids = tok.encode(PROMPT)
+
+    def theirs(**kw):
+        out = []
+        for r in mlx_lm.stream_generate(model.backbone, tok, mx.array(ids), max_tokens=40, **kw):
+            if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
+                break
+            out.append(r.token)
+        return out
+
+    bounded = theirs(max_kv_size=16)
+    assert ours(model, tok, ids, 40, max_kv_size=16, prompt_lookup=0, adaptive=False)[0] == bounded
+    tree = SelfDrafter(model, parse_tree("0;1;0,0", 2))
+    assert ours(model, tok, ids, 40, max_kv_size=16, drafter=tree, adaptive=False)[0] == bounded
+    kv = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
+    assert ours(model, tok, ids, 40, prompt_lookup=0, adaptive=False, **kv)[0] == theirs(**kv)
+    suffix = tok.encode(" and then", add_special_tokens=False)
+    path = save_prompt_cache(tmp_path / "p.safetensors", cache_prompt(model, tok, ids), "tiny-moe", tok)
+    cold, _ = ours(model, tok, ids + suffix, 24)
+    warm, rs = ours(model, tok, ids + suffix, 24, prompt_cache=load_prompt_cache(path, model, tok))
+    assert warm == cold and rs[-1].cached_tokens == len(ids)

@@ -28,6 +28,7 @@ class SpeculativeModel(nn.Module):
 
     Raises:
         TypeError: ``backbone`` is not an mlx-lm model, or ``heads`` not a module.
+        ValueError: a model whose arguments name no ``vocab_size`` (mlx-lm's ``phixtral``).
     """
 
     def __init__(self, backbone: nn.Module, heads: nn.Module | None = None):
@@ -47,6 +48,11 @@ class SpeculativeModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.heads = heads
+        if not hasattr(text_args(backbone), "vocab_size"):
+            raise ValueError(
+                f"{type(backbone).__module__}: its arguments give no vocab_size (another name for it), "
+                "which decoding reads: not supported"
+            )
         self.family = family(backbone)
         self.datastore = None
         self.draft_model = None

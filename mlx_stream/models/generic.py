@@ -93,10 +93,12 @@ def _swapped(slots: Sequence[tuple], make) -> Iterator[None]:
 
 
 @contextmanager
-def node_positions(backbone: nn.Module, positions: mx.array) -> Iterator[None]:
-    """Within the block, every rotary embedding of ``backbone`` rotates tree nodes at
-    ``positions`` (:class:`NodeRoPE`); the model's own modules are back after it."""
-    with _swapped(rope_slots(backbone), lambda i, rope: NodeRoPE(rope, positions)):
+def node_positions(backbone: nn.Module, positions: mx.array, slots=None) -> Iterator[None]:
+    """Within the block, every rotary embedding of ``backbone`` (at ``slots``, from
+    :func:`rope_slots`, found again where not given) rotates tree nodes at ``positions``
+    (:class:`NodeRoPE`); the model's own modules are back after it."""
+    slots = rope_slots(backbone) if slots is None else slots
+    with _swapped(slots, lambda i, rope: NodeRoPE(rope, positions)):
         yield
 
 
@@ -213,6 +215,8 @@ class Generic:
         own = unrewindable(backbone)  # recurrent layers: the model's own caches, plain decoding
         self.windowed = own is None and any(type(c).__name__ == "RotatingKVCache" for c in kinds)
         self.vocab = int(text_args(backbone).vocab_size)
+        self._ropes = rope_slots(backbone)  # (found once per model: a tree step swaps them)
+        self._layer_slots: dict[tuple[int, ...], list] = {}
         self.output, self.embedding, self._width = self._probe(backbone, check_windows=own is None)
         self.trees: str | None = None
         self.trees = f"{own}: plain decoding only" if own else self.self_check(backbone)
@@ -258,7 +262,9 @@ class Generic:
     def _taps(self, backbone, capture: tuple[int, ...]) -> Iterator[tuple[list, list]]:
         out, mids = [], [[] for _ in capture]
         outs = [] if self.output is None else [_slot(backbone, self.output)]
-        layer_slots = [_layer_slots(backbone, i) for i in capture]
+        if capture not in self._layer_slots:  # found once: the model's structure does not change
+            self._layer_slots[capture] = [_layer_slots(backbone, i) for i in capture]
+        layer_slots = self._layer_slots[capture]
         slots = outs + [s for ls in layer_slots for s in ls]
         boxes = [out][: len(outs)] + [box for box, ls in zip(mids, layer_slots) for _ in ls]
         tied = [self.output == self.embedding][: len(outs)] + [False] * (len(slots) - len(outs))
@@ -311,7 +317,7 @@ class Generic:
         for c in cache:
             c.tree = (mask, positions)
         try:
-            with node_positions(backbone, positions):
+            with node_positions(backbone, positions, self._ropes):
                 return self._run(backbone, tokens, cache, capture)
         finally:
             for c in cache:
@@ -381,7 +387,7 @@ class Generic:
         way (learned position embeddings, its own rotation): trees are off for it even
         where a random model hides the difference.
         """
-        if not rope_slots(backbone):
+        if not self._ropes:
             return (
                 f"{type(backbone).__module__} has no rotary embedding module to position tree nodes through "
                 "(learned or hand-computed positions)"

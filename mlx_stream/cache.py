@@ -428,6 +428,20 @@ def trim_cache(cache: Sequence[TreeKVCache], length: int) -> None:
 
 
 def keep_path(cache: Sequence[TreeKVCache], start: int, nodes: Sequence[int]) -> None:
-    """:meth:`TreeKVCache.keep` on every layer."""
+    """:meth:`TreeKVCache.keep` on every layer.
+
+    Raises:
+        ValueError: ``nodes`` reaches past the entries written so far."""
+    nodes = list(nodes)
+    end = start + len(nodes)
+    if nodes == list(range(len(nodes))):  # a prefix of what was written: no copy
+        if end > cache_offset(cache):
+            raise ValueError(f"node {nodes[-1]} is past the cache end ({cache_offset(cache) - start} tree entries)")
+        for c in cache:  # (the plain step: nothing moves; asked every step, per layer)
+            if type(c) is TreeKVCache:
+                c.offset = end
+            else:
+                c.keep(start, nodes)
+        return
     for c in cache:
         c.keep(start, nodes)

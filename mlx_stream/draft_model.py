@@ -191,6 +191,8 @@ class DraftCache:
 
         d = self.draft
         n, limit = 0, min(len(self.tokens), len(tokens) - 1)
+        if self.tokens[:limit] == list(tokens[:limit]):  # (every step: one comparison in C)
+            n = limit
         while n < limit and self.tokens[n] == tokens[n]:
             n += 1
         if n < len(self.tokens) and not can_rewind(self.layers, n):  # a sliding window moved past n
@@ -324,6 +326,22 @@ class DraftModelDrafter:
         logits = logits.astype(mx.float32)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
+    def _chain(self, tokens, depth: int, noise) -> tuple[Tree, mx.array]:
+        # a chain drafted to its full depth (mlx-lm's num_draft_tokens): nothing decides on
+        # the host, so the drafts stay lazy and the step keeps the loop's one host sync (the
+        # tree's p_min stop and reranking read values back once per depth)
+        held, out = len(tokens), []
+        logits = self.draft.sync(tokens)
+        for d in range(1, depth + 1):
+            out.append(mx.argmax(self._log_probs(logits[None], d, noise), axis=-1).astype(mx.int32))
+            if d < depth:  # the draft at depth d, after its parent's entry (d - 2; -1: the root)
+                parent = mx.array([d - 2], dtype=mx.int32)
+                logits = self.draft.forward(out[-1], mx.array([held + d - 1], dtype=mx.int32), None, parent)[0]
+        key = ("chain", depth)
+        if key not in self._trees:
+            self._trees[key] = chain(depth)
+        return self._trees[key], mx.concatenate(out)
+
     def propose(
         self, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True, noise=None
     ) -> tuple[Tree, mx.array]:
@@ -332,6 +350,8 @@ class DraftModelDrafter:
         depth = min(self.depth, max_depth) if base else 0
         if depth < 1:
             return no_drafts(), mx.zeros((0,), dtype=mx.int32)
+        if self.width == 1 and self.p_min == 0:
+            return self._chain(tokens, depth, noise)
         k, held = self.width, len(tokens)
         lp = self._log_probs(self.draft.sync(tokens)[None], 1, noise)[0]
         top = _topk(lp, k)

@@ -213,10 +213,11 @@ class HeadsDrafter:
         top = _topk(logits, self._k)[self._head_idx, self._rank_idx]
         return (top if self._ids is None else self._ids[top]).astype(mx.int32)
 
-    def draft_queued(self, hidden: mx.array, root: mx.array, noise=None) -> mx.array:
+    def draft_queued(self, hidden: mx.array, root: mx.array, noise=None, length=None) -> mx.array:
         """:meth:`draft` for a step queued before the host reads its root token: ``hidden``
         ``(H,)`` and ``root`` ``(1,)`` int32 may both still be computed by the step before
-        (no host sync).
+        (no host sync). ``length``: the tokens up to and including the root, a lazy ``()``
+        int32 (unused here: the heads draft from the hidden state alone).
 
         Raises:
             ValueError: multi-stream attention heads (they read the KV cache of the
@@ -574,8 +575,23 @@ class OracleDrafter:
         self.tree = tree
         self.vocab_size = vocab_size
         self.wrong = wrong
+        self._device = None  # (continuation, depths, rank shifts) on the device, made once
 
     capture = None
+
+    def draft_queued(self, hidden, root, noise=None, length=None) -> mx.array:
+        """:meth:`draft` on the device for a step queued before the host knows how many
+        tokens precede it: ``length`` is the lazy ``()`` int32 count of tokens up to and
+        including the root (the loop passes it); ``hidden``, ``root`` and ``noise`` are
+        unused. No host sync, so the loop queues oracle steps as it queues the heads'."""
+        if self._device is None:  # the continuation, then 0 (as the host's past its end)
+            cont = mx.array(self.continuation + [0], dtype=mx.int32)
+            depths = mx.array(self.tree.depths[1:] - 1, dtype=mx.int32)
+            shifts = mx.array(self.tree.ranks[1:] + (1 if self.wrong else 0), dtype=mx.int32)
+            self._device = (cont, depths, shifts)
+        cont, depths, shifts = self._device
+        j = mx.clip(length - self.prompt_len + depths, 0, cont.size - 1)
+        return (cont[j] + shifts) % self.vocab_size
 
     def draft(self, hidden, tokens, mid=None, cache=None):
         pos = len(tokens) - self.prompt_len  # index in the continuation of the first draft
@@ -763,6 +779,12 @@ def accepted_nodes(tree: Tree, tokens: Sequence[int], emitted: Sequence[int]) ->
     return [i for i in range(1, tree.size) if ok[i]]
 
 
+def _proposes(drafter) -> bool:
+    # isinstance(drafter, TreeProposer) without typing's runtime-protocol walk (~20 us a
+    # call: it is asked every step)
+    return callable(getattr(drafter, "propose", None))
+
+
 def propose(
     drafter, hidden, tokens, max_depth: int, mid=None, cache=None, base: bool = True, noise=None
 ) -> tuple[Tree, mx.array]:
@@ -778,7 +800,7 @@ def propose(
     Returns:
         ``(tree, drafts)``: ``drafts`` is ``(tree.size - 1,)`` int32 in node order.
     """
-    if isinstance(drafter, TreeProposer):
+    if _proposes(drafter):
         return drafter.propose(hidden, tokens, max_depth, mid=mid, cache=cache, base=base, noise=noise)
     tree = drafter.tree.truncate(max_depth if base else 0)
     kw = {"noise": noise} if noise is not None and getattr(drafter, "coupled", False) else {}
@@ -802,7 +824,7 @@ def queues_steps(drafter) -> bool:
     return (
         getattr(drafter, "capture", None) is None
         and not getattr(drafter, "reads_path", False)
-        and (not isinstance(drafter, TreeProposer) or isinstance(drafter, LookupDrafter))
+        and (not _proposes(drafter) or isinstance(drafter, LookupDrafter))
     )
 
 

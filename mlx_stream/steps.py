@@ -28,7 +28,7 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
-from .cache import attention_mask, cache_offset, evict, keep_path, quantize_cache
+from .cache import TreeKVCache, attention_mask, cache_offset, evict, keep_path, quantize_cache
 from .drafters import (
     AcceptanceObserver,
     StepTimer,
@@ -231,13 +231,18 @@ class TreeVerifier:
             g = self.noise.rows(length, tree.depth + 1 + spread)[rows]
             scores = self.sampling.mask(logprobs) * (1.0 / self.sampling.temp) + g
         targets = mx.argmax(scores, axis=-1)
-        chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+        if self.sampling.greedy:  # log_softmax keeps the order: the argmax's is the max, bitwise
+            chosen = mx.max(logprobs, axis=-1)
+        else:
+            chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
         return Verdict(targets, chosen, top)
 
     def walk(self, tree: Tree, tokens: list[int], verdict: Verdict, length: int):
         """``(accepted path, next token, log-probability of each emitted token, top
         log-probabilities or None)`` from an evaluated verdict over the node ``tokens``
         after ``length`` tokens."""
+        if self.host_rule is None and tree.size == 1:  # a plain step (the most common one)
+            return [0], verdict.targets.item(), [verdict.chosen.item()], self._top_rows(verdict.top, [0])
         if self.host_rule is None:
             path, nxt = verify_greedy(tree, tokens, verdict.targets.tolist())
             chosen = verdict.chosen.tolist()
@@ -274,7 +279,7 @@ class InFlight:
     """A step queued on the device (``mx.async_eval``) and not yet read back."""
 
     tree: Tree
-    node_tokens: mx.array  # (N,) int32; the root may still be computed by the step before
+    node_tokens: mx.array  # (N,) int32 (a lone root: uint32); the root may still be computed by the step before
     start: int  # cache slot of the root; its tree's entries follow, then a step queued after it
     length: int  # tokens up to and including the root (the step before's, + 1, when queued after it)
     history: mx.array | None  # (length,) int32 the tokens up to the root, only for logits processors
@@ -360,6 +365,9 @@ class StepPipeline:
         self.windowed = getattr(model.family, "windowed", False)
         self.queued = queued_drafter(drafter) if self.pipelined else None
         self._decided: bool | None = None  # the policy's choice for the next step, when asked early
+        # asked once: typing's runtime-protocol isinstance costs ~20 us, every step
+        self.times_steps = isinstance(drafter, StepTimer)
+        self.learns = isinstance(drafter, AcceptanceObserver)
 
     def _drafts_on(self, depth: int) -> bool:
         # adaptive speculation decides on the drafter's own tree (lookup chains join when they
@@ -414,14 +422,19 @@ class StepPipeline:
         if tree is None or (self.verify.processors and prev.tree.size > 1):  # the history's length is lazy
             self._decided = on
             return None
-        root = prev.verdict.targets[prev.last].reshape(1).astype(mx.int32)
+        if prev.tree.size == 1:  # its one node's target (uint32; a tree's node tokens are int32)
+            root = prev.verdict.targets
+        else:
+            root = prev.verdict.targets[prev.last].reshape(1)
         if tree.size > 1:
-            shift = mx.array(prev.tree.depths, dtype=mx.int32)[prev.last] if prev.tree.size > 1 else None
+            shift = prev.tree.arrays[0][prev.last] if prev.tree.size > 1 else None
             noise = self.verify.draft_noise(len(tokens) + 1, shift, prev.tree.depth)
-            drafts = self.queued.draft_queued(prev.hidden[prev.last], root, noise=noise)[: tree.size - 1]
+            length = len(tokens) + 1 if shift is None else shift + (len(tokens) + 1)
+            drafts = self.queued.draft_queued(prev.hidden[prev.last], root, noise=noise, length=length)
+            drafts = drafts[: tree.size - 1]
         else:
             drafts = mx.zeros((0,), dtype=mx.int32)
-        hist = None if prev.history is None else mx.concatenate([prev.history, root])
+        hist = None if prev.history is None else mx.concatenate([prev.history, root.astype(mx.int32)])
         return self.launch(
             len(tokens) + 1,
             root,
@@ -455,28 +468,39 @@ class StepPipeline:
         hiding prev's rejected entries, the noise rows); :meth:`finish` compacts prev's
         entries once it reads prev. ``static``: a step may be queued after this one."""
         fam, backbone, layers = self.model.family, self.model.backbone, self.cache.layers
-        node_tokens = mx.concatenate([root.astype(mx.int32), drafts.astype(mx.int32)])
+        # every op recorded here is host work where the device is fast: none is spent on
+        # what the host already knows (a lone root, positions, the trees' constant arrays)
+        if tree.size == 1:
+            node_tokens = root
+        else:
+            node_tokens = mx.concatenate([root.astype(mx.int32), drafts.astype(mx.int32)])
         # causal over the cache (inside the window, for a bounded one), ancestors-only inside the tree
         shift, spread, mask = None, 0, attention_mask(layers, tree.depths, tree.mask)
         if prev is not None and prev.tree.size > 1:
-            shift, spread = mx.array(prev.tree.depths, dtype=mx.int32)[prev.last], prev.tree.depth
-            seen = mx.array(prev.tree.mask)[prev.last]  # (N_prev,) prev's accepted path
+            prev_depths, prev_mask = prev.tree.arrays[:2]
+            shift, spread = prev_depths[prev.last], prev.tree.depth
+            seen = prev_mask[prev.last]  # (N_prev,) prev's accepted path
             n, head = tree.size, prev.start
             mask = mx.concatenate(
                 [
                     mx.ones((n, head), dtype=mx.bool_),
                     mx.broadcast_to(seen, (n, prev.tree.size)),
-                    mx.array(tree.mask),
+                    tree.arrays[1],
                 ],
                 axis=1,
             )
-        root_position = length - 1 if shift is None else shift + (length - 1)
-        positions = root_position + mx.array(tree.depths, dtype=mx.int32)
+        if shift is None:
+            positions = mx.array(tree.depths + (length - 1), dtype=mx.int32)
+        else:
+            positions = tree.arrays[0] + (shift + (length - 1))
         logits, h, mids = fam.tree_forward(backbone, node_tokens, positions, mask, layers, self.capture)
         verdict = self.verify.judge(tree, node_tokens, logits, length, history, shift, spread)
         last = accepted_node(tree, node_tokens, verdict.targets) if static else None
         quantize_cache(layers, self.kv.bits, self.kv.group_size, self.kv.start)
-        mx.async_eval(node_tokens, verdict.arrays(), h, mids, last, [c.state for c in layers])
+        # a key/value cache's new entries are read by this forward's attention, so they are
+        # computed with it; other caches (recurrent state) are queued themselves
+        states = [c.state for c in layers if type(c) is not TreeKVCache]
+        mx.async_eval(node_tokens, verdict.arrays(), h, mids, last, states)
         start = cache_offset(layers) - tree.size
         return InFlight(
             tree, node_tokens, start, length, history, verdict, h, mids, last, observed, tells_drafter
@@ -493,7 +517,7 @@ class StepPipeline:
         mx.eval(step.node_tokens, step.verdict.arrays(), step.last)
         toks = step.node_tokens.tolist()
         path, nxt, lps, tops = self.verify.walk(step.tree, toks, step.verdict, step.length)
-        if step.last is not None and path[-1] != step.last.item():
+        if step.last is not None and step.tree.size > 1 and path[-1] != step.last.item():
             raise RuntimeError(f"device acceptance {step.last.item()} differs from the host's path {path}")
         n, layers = step.tree.size, self.cache.layers
         queued = cache_offset(layers) - step.start - n  # entries of the step queued after it
@@ -513,7 +537,7 @@ class StepPipeline:
         ``seconds`` (from the end of the step before, the caller's time left out)."""
         if self.policy is not None and step.observed:
             self.policy.observe(step.tree.size > 1, seconds, len(done.path))
-        if isinstance(self.drafter, StepTimer):
+        if self.times_steps:
             self.drafter.observe_time(step.tree.size, seconds)
-        if step.tells_drafter and isinstance(self.drafter, AcceptanceObserver):  # learns (prompt lookup)
+        if step.tells_drafter and self.learns:  # learns (prompt lookup)
             self.drafter.observe(done.tree, done.node_tokens, done.emitted)

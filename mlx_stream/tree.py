@@ -17,10 +17,13 @@ Nodes are stored breadth-first (sorted by depth, then by path), so
 
 from __future__ import annotations
 
+import functools
+
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 
 Choice = tuple[int, ...]
@@ -54,7 +57,7 @@ class Tree:
         """Number of nodes N, root included."""
         return len(self.choices) + 1
 
-    @property
+    @functools.cached_property
     def depth(self) -> int:
         """Depth of the deepest node (the number of stream heads it needs)."""
         return int(self.depths.max())
@@ -77,14 +80,34 @@ class Tree:
             out.append(() if p < 0 else out[p] + (i,))
         return tuple(out)
 
+    @functools.cached_property
+    def arrays(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """``(depths, mask, parents, order)`` on the device, made once per tree so a step
+        uploads none: int32 ``(N,)``, bool ``(N, N)``, int32 ``(N - 1,)`` (the non-root
+        nodes' parents) and int32 ``(N,)`` ``depth * N + index`` (deepest, then latest
+        node first: the order :func:`~mlx_stream.verify.accepted_node` ranks nodes in)."""
+        n = self.size
+        return (
+            mx.array(self.depths, dtype=mx.int32),
+            mx.array(self.mask),
+            mx.array(self.parents[1:], dtype=mx.int32),
+            mx.array(self.depths * n + np.arange(n), dtype=mx.int32),
+        )
+
     def truncate(self, max_depth: int) -> Tree:
         """The subtree of nodes with depth <= ``max_depth`` (a prefix of the nodes)."""
         if max_depth >= self.depth:
             return self
-        return build_tree([c for c in self.choices if len(c) <= max(max_depth, 0)])
+        return _truncated(self, max(max_depth, 0))
 
     def __hash__(self) -> int:
         return hash(self.choices)
+
+
+@functools.lru_cache(maxsize=256)
+def _truncated(tree: Tree, max_depth: int) -> Tree:
+    # near the end of a generation every step truncates the same trees
+    return build_tree([c for c in tree.choices if len(c) <= max_depth])
 
 
 def build_tree(choices: Sequence[Sequence[int]]) -> Tree:
@@ -145,8 +168,10 @@ def chain(k: int) -> Tree:
     return build_tree([(0,) * d for d in range(1, k + 1)])
 
 
+@functools.cache
 def no_drafts() -> Tree:
-    """The root-only tree: plain decoding, one token per forward pass."""
+    """The root-only tree: plain decoding, one token per forward pass (one shared,
+    immutable instance: asked for at every plain step)."""
     return build_tree([])
 
 

@@ -17,12 +17,16 @@ from .projected import projected
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _queue_every() -> int:
+def _queue_every(backbone) -> int:
     # On the CPU backend a tree forward is queued (mx.async_eval) every 2 layers while the
     # host records the rest of its graph, so recording (~5-7 ms of a ~70 ms step for
     # SmolLM2-135M) overlaps computing: drafting steps 7-10% faster here
-    # (docs/benchmarks.md, "Pipelined steps"). Not measured on a GPU, so not done there.
-    return 2 if mx.default_device() == mx.cpu else 0
+    # (docs/benchmarks.md, "Pipelined steps"). Where a layer's work is as cheap as
+    # submitting it (narrow models: a tiny random model's step is ~1 ms of op submission),
+    # each extra submission only adds host time (~10% of such a step,
+    # benchmarks/host_overhead.py). Not measured on a GPU, so not done there.
+    wide = getattr(backbone.args, "hidden_size", 0) >= 512
+    return 2 if wide and mx.default_device() == mx.cpu else 0
 
 
 def _attention(attn, x, positions, mask, cache):
@@ -32,11 +36,14 @@ def _attention(attn, x, positions, mask, cache):
     v = attn.v_proj(x).reshape(B, N, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if hasattr(attn, "q_norm"):  # qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
-    # nodes on the batch axis: (N, H, 1, D), one rope offset per node
-    q = attn.rope(q.reshape(N, attn.n_heads, 1, -1), offset=positions)
-    k = attn.rope(k.reshape(N, attn.n_kv_heads, 1, -1), offset=positions)
-    q = q.reshape(B, N, attn.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, N, D)
-    k = k.reshape(B, N, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if N == 1:  # (1, H, 1, D) is already one node per batch row: no reshapes (fewer ops a step)
+        q = attn.rope(q.transpose(0, 2, 1, 3), offset=positions)
+        k = attn.rope(k.transpose(0, 2, 1, 3), offset=positions)
+    else:  # nodes on the batch axis: (N, H, 1, D), one rope offset per node
+        q = attn.rope(q.reshape(N, attn.n_heads, 1, -1), offset=positions)
+        k = attn.rope(k.reshape(N, attn.n_kv_heads, 1, -1), offset=positions)
+        q = q.reshape(B, N, attn.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, N, D)
+        k = k.reshape(B, N, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     k, v = cache.update_and_fetch(k, v)  # (B, Hkv, S, D), S = prefix + N
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
@@ -62,7 +69,7 @@ def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, ca
     inner, layers = backbone.model, _captured(capture)
     h = inner.embed_tokens(tokens[None])  # (1, N, H)
     caps = {}
-    every = _queue_every()
+    every = _queue_every(backbone)
     for i, (layer, c) in enumerate(zip(inner.layers, cache)):
         if i in layers:
             caps[i] = h[0]

@@ -90,6 +90,18 @@ def _ours_run(model, tok, ids, max_tokens, temp, **kw):
     return {"tokens": toks, "ttft": first - t0, "tps": (len(toks) - 1) / (end - first), "tau": last.tau}
 
 
+def _useless(path: Path) -> Path:
+    # a random tied model's greedy output repeats its input token, as the target's does, so
+    # its drafts would be accepted: an untied random output projection drafts other tokens
+    cfg = json.loads((path / "config.json").read_text())
+    weights = mx.load(str(path / "model.safetensors"))
+    mx.random.seed(1)
+    weights["lm_head.weight"] = mx.random.normal(weights["model.embed_tokens.weight"].shape)
+    (path / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": False}))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    return path
+
+
 def build(root: Path, name: str):
     """The target, a draft with its weights, a useless draft, random heads; the prompt ids."""
     from mlx_stream import load, load_draft
@@ -98,7 +110,7 @@ def build(root: Path, name: str):
     spec = MODELS[name]
     target_dir = make_tiny_model_dir(root / name / "target", seed=0, **spec)
     same_dir = make_tiny_model_dir(root / name / "same", seed=0, **spec)
-    other_dir = make_tiny_model_dir(root / name / "other", seed=7, **spec)
+    other_dir = _useless(make_tiny_model_dir(root / name / "other", seed=7, **spec))
     model, tok = load(str(target_dir), heads=None, dtype="float32")
     same = load_draft(str(same_dir), model, tok, dtype="float32", calibrate=False)
     other = load_draft(str(other_dir), model, tok, dtype="float32", calibrate=False)

@@ -18,29 +18,42 @@ class SpeculationPolicy:
     """Chooses, step by step, between drafting and plain decoding, by measured throughput.
 
     Keeps the last ``window`` wall times of drafting steps and of plain steps (seconds,
-    drafting and verification included) and a moving average (weight ``decay``) of the
-    tokens a drafting step emits, and drafts when ``tokens / median t_draft >= 1 /
-    median t_plain``, i.e. when the
-    measured tau of drafting steps covers their measured relative cost (the online form
+    the host's work included: the graph built, submitted and read back, the drafter's
+    own forwards, verification; so on a device where a forward is nearly free the host's
+    share decides) and a moving average (weight ``decay``) of the tokens a drafting step
+    emits, and drafts when ``tokens / median t_draft >= 1 / median t_plain``, i.e. when
+    the measured tau of drafting steps covers their measured relative cost (the online form
     of the tau / c(N) criterion; cf. dynamic speculation lookahead, Mamou et al. 2024,
-    and "SmartSpec", Liu et al. 2024). The first ``warmup`` steps alternate the two
-    modes and the first observation of each mode is dropped (one-time costs); after
-    that the losing mode is still tried every ``explore_every`` steps, so the estimates
-    follow drift; plain decoding is not re-tried while drafting wins by more than
-    ``sure_margin``. Medians make one slow step (another process, a page fault) harmless.
+    and "SmartSpec", Liu et al. 2024).
+
+    The first step drafts and the next plain, until each mode has a kept observation (the
+    first of each mode pays one-time costs and is dropped, unless a drafting step accepted
+    nothing: no one-time cost makes that a win), then the faster mode is chosen. The other
+    mode is tried again now and then so the estimates follow drift: plain decoding every
+    ``explore_every`` steps while drafting wins by less than ``sure_margin``; drafting, while
+    it loses, once per its measured loss over ``explore_budget`` steps (a try costs
+    ``(t_draft - tokens * t_plain) / t_plain`` plain steps), at least every ``explore_every``
+    and at most every ``max_explore`` steps, so a drafter that cannot pay here (a useless
+    draft model, or any drafter where the host's work per step outweighs its tau) costs
+    about ``explore_budget`` of the time. Medians make one slow step harmless.
 
     Attributes:
-        explore_every: steps between tries of the mode not chosen.
+        explore_every: the fewest steps between tries of the mode not chosen.
+        explore_budget: the share of decoding time tries of a losing drafter may cost.
+        max_explore: the most steps between tries of a losing drafter.
         window: observations kept per mode.
-        warmup: initial steps that alternate drafting and plain decoding.
+        warmup: initial steps that alternate drafting and plain decoding (0: only until
+            both modes are measured).
         decay: weight of a new drafting step in the tokens' moving average, in (0, 1].
         sure_margin: drafting throughput over plain throughput above which plain
             steps are no longer tried.
     """
 
     explore_every: int = 16
+    explore_budget: float = 0.01
+    max_explore: int = 512
     window: int = 8
-    warmup: int = 6
+    warmup: int = 0
     decay: float = 0.3
     sure_margin: float = 1.5
     t_draft: list = field(default_factory=list)
@@ -56,15 +69,25 @@ class SpeculationPolicy:
             return None
         return self.tokens / statistics.median(self.t_draft) * statistics.median(self.t_plain)
 
+    def explore_interval(self, drafting_wins: bool) -> int:
+        """Steps between tries of the mode not chosen (see the class docstring)."""
+        if drafting_wins:
+            return self.explore_every
+        t_plain = statistics.median(self.t_plain)
+        loss = (statistics.median(self.t_draft) - self.tokens * t_plain) / t_plain
+        return int(min(self.max_explore, max(self.explore_every, loss / self.explore_budget)))
+
     def use_drafts(self) -> bool:
         """Whether the next step sends the drafts to the forward pass."""
         self._step += 1
         adv = self.advantage()
-        if self._step <= self.warmup or adv is None:
+        if self._step <= self.warmup:
             return self._step % 2 == 1
+        if adv is None:  # the mode not measured yet; alternating (drafting first) until one is
+            return False if self.t_draft else True if self.t_plain else self._step % 2 == 1
         best = adv >= 1.0
         self._since_explore += 1
-        if self._since_explore >= self.explore_every and (not best or adv < self.sure_margin):
+        if self._since_explore >= self.explore_interval(best) and (not best or adv < self.sure_margin):
             self._since_explore = 0
             return not best
         return best
@@ -75,7 +98,8 @@ class SpeculationPolicy:
             self.tokens = tokens if self.tokens is None else self.tokens + self.decay * (tokens - self.tokens)
         if drafted not in self._seen:  # the first step of each mode pays one-time costs
             self._seen.add(drafted)
-            return
+            if not (drafted and tokens <= 1):  # (a drafting step that accepted nothing lost anyway)
+                return
         if drafted:
             self.t_draft = (self.t_draft + [seconds])[-self.window :]
         else:

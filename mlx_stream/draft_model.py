@@ -334,6 +334,7 @@ class DraftModelDrafter:
         logits = self.draft.sync(tokens)
         for d in range(1, depth + 1):
             out.append(mx.argmax(self._log_probs(logits[None], d, noise), axis=-1).astype(mx.int32))
+            mx.async_eval(out[-1])  # computed while the host records the next depth (as mlx-lm)
             if d < depth:  # the draft at depth d, after its parent's entry (d - 2; -1: the root)
                 parent = mx.array([d - 2], dtype=mx.int32)
                 logits = self.draft.forward(out[-1], mx.array([held + d - 1], dtype=mx.int32), None, parent)[0]

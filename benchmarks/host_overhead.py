@@ -159,10 +159,19 @@ def configurations(model, tok, same, other, heads, eagle, ids, max_tokens, temp)
             lambda: _mlx_lm_run(backbone, tok, ids, max_tokens, temp, same.backbone, 3),
             "mlx-lm plain",
         ),
-        "draft chain-3": (ours(draft_model=same, num_draft_tokens=3, prompt_lookup=0), "mlx-lm draft chain-3"),
+        "draft chain-3": (
+            ours(draft_model=same, num_draft_tokens=3, prompt_lookup=0),
+            "mlx-lm draft chain-3",
+        ),
         "useless draft, adaptive": (ours(draft_model=other, prompt_lookup=0), "mlx-lm plain"),
-        "heads static": (with_heads(heads, tree="0;1;0,0;0,0,0", adaptive=False, prompt_lookup=0), "mlx-lm plain"),
-        "heads dynamic": (with_heads(eagle, tree="dynamic:8", adaptive=False, prompt_lookup=0), "mlx-lm plain"),
+        "heads static": (
+            with_heads(heads, tree="0;1;0,0;0,0,0", adaptive=False, prompt_lookup=0),
+            "mlx-lm plain",
+        ),
+        "heads dynamic": (
+            with_heads(eagle, tree="dynamic:8", adaptive=False, prompt_lookup=0),
+            "mlx-lm plain",
+        ),
         "heads 2-node, adaptive": (with_heads(heads, tree="0", prompt_lookup=0), "mlx-lm plain"),
     }
 
@@ -242,7 +251,9 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--temps", default="0,0.7")
-    ap.add_argument("--only", default="", help="comma-separated label prefixes to run (mlx-lm rows always run)")
+    ap.add_argument(
+        "--only", default="", help="comma-separated label prefixes to run (mlx-lm rows always run)"
+    )
     ap.add_argument("--no-phases", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -251,7 +262,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             built = build(Path(tmp), name)
-            model, tok = built[0], built[1]
+            model = built[0]
             for temp in [float(t) for t in args.temps.split(",")]:
                 confs = configurations(*built, args.max_tokens, temp)
                 if args.only:
@@ -265,7 +276,7 @@ def main(argv=None):
                         runs[label].append(fn())
                 ref = runs["mlx-lm plain"][0]["tokens"]
                 table = {}
-                for label, (fn, base) in confs.items():
+                for label, (_fn, base) in confs.items():
                     rs = runs[label]
                     row = {
                         "tok/s": statistics.median(r["tps"] for r in rs),
@@ -274,9 +285,7 @@ def main(argv=None):
                         "tokens": len(rs[0]["tokens"]),
                     }
                     if base is not None:
-                        row["x base"] = statistics.median(
-                            r["tps"] / b["tps"] for r, b in zip(rs, runs[base])
-                        )
+                        row["x base"] = statistics.median(r["tps"] / b["tps"] for r, b in zip(rs, runs[base]))
                         row["base"] = base
                     if base == "mlx-lm draft chain-3":
                         row["x plain mlx-lm"] = statistics.median(
@@ -286,7 +295,7 @@ def main(argv=None):
                         row["identical"] = all(r["tokens"] == ref for r in rs)
                     table[label] = row
                 if not args.no_phases:
-                    for label, (fn, base) in confs.items():
+                    for label, (fn, _) in confs.items():
                         if not label.startswith("mlx-lm"):
                             tau = table[label]["tau"] or 1.0
                             table[label]["phases ms/step"] = phase_breakdown(

@@ -436,7 +436,9 @@ def keep_path(cache: Sequence[TreeKVCache], start: int, nodes: Sequence[int]) ->
     end = start + len(nodes)
     if nodes == list(range(len(nodes))):  # a prefix of what was written: no copy
         if end > cache_offset(cache):
-            raise ValueError(f"node {nodes[-1]} is past the cache end ({cache_offset(cache) - start} tree entries)")
+            raise ValueError(
+                f"node {nodes[-1]} is past the cache end ({cache_offset(cache) - start} tree entries)"
+            )
         for c in cache:  # (the plain step: nothing moves; asked every step, per layer)
             if type(c) is TreeKVCache:
                 c.offset = end

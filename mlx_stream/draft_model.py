@@ -337,7 +337,9 @@ class DraftModelDrafter:
             mx.async_eval(out[-1])  # computed while the host records the next depth (as mlx-lm)
             if d < depth:  # the draft at depth d, after its parent's entry (d - 2; -1: the root)
                 parent = mx.array([d - 2], dtype=mx.int32)
-                logits = self.draft.forward(out[-1], mx.array([held + d - 1], dtype=mx.int32), None, parent)[0]
+                logits = self.draft.forward(out[-1], mx.array([held + d - 1], dtype=mx.int32), None, parent)[
+                    0
+                ]
         key = ("chain", depth)
         if key not in self._trees:
             self._trees[key] = chain(depth)

@@ -224,11 +224,14 @@ class TreeVerifier:
             return Verdict(top=top, probs=self.sampling.distribution(logprobs), logprobs=logprobs)
         if self.sampling.greedy:
             scores = logits
-        else:  # the token after a node of depth d lands at position length + shift + d
-            rows = mx.array(tree.depths, dtype=mx.int32)
-            if shift is not None:
-                rows = rows + shift
-            g = self.noise.rows(length, tree.depth + 1 + spread)[rows]
+        else:
+            if tree.size == 1 and shift is None:  # a plain step: its one position's noise
+                g = self.noise.rows(length, 1)
+            else:  # the token after a node of depth d lands at position length + shift + d
+                rows = tree.arrays[0]
+                if shift is not None:
+                    rows = rows + shift
+                g = self.noise.rows(length, tree.depth + 1 + spread)[rows]
             scores = self.sampling.mask(logprobs) * (1.0 / self.sampling.temp) + g
         targets = mx.argmax(scores, axis=-1)
         if self.sampling.greedy:  # log_softmax keeps the order: the argmax's is the max, bitwise
@@ -279,7 +282,8 @@ class InFlight:
     """A step queued on the device (``mx.async_eval``) and not yet read back."""
 
     tree: Tree
-    node_tokens: mx.array  # (N,) int32 (a lone root: uint32); the root may still be computed by the step before
+    # (N,) int32 (a lone root: uint32); the root may still be computed by the step before
+    node_tokens: mx.array
     start: int  # cache slot of the root; its tree's entries follow, then a step queued after it
     length: int  # tokens up to and including the root (the step before's, + 1, when queued after it)
     history: mx.array | None  # (length,) int32 the tokens up to the root, only for logits processors

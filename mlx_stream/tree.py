@@ -18,7 +18,6 @@ Nodes are stored breadth-first (sorted by depth, then by path), so
 from __future__ import annotations
 
 import functools
-
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field

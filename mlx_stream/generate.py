@@ -541,7 +541,9 @@ def stream_generate(
         )
         if in_flight is None:  # nothing queued: the drafter proposes this step on the host
             in_flight = pipe.start(tokens, step, depth)
-        ahead = pipe.queue_after(in_flight, tokens, depth)
+        # the first token waits for one graph only (as mlx-lm's): the step after it is not
+        # queued ahead, so time to first token is not two graphs' recording
+        ahead = pipe.queue_after(in_flight, tokens, depth) if n_fwd else None
         paused = time.perf_counter()
         try:
             yield response

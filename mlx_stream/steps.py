@@ -365,10 +365,17 @@ class StepPipeline:
         self.policy = policy
         self.capture, self.fused = captures(drafter)
         self.reads_path = getattr(drafter, "reads_path", False)  # eagle heads read every verified position
-        self.pipelined = verify.verifier is None and kv.max_kv_size is None and queues_steps(drafter)
+        # a draft model's own steps wait for the host, but the plain steps adaptive speculation
+        # takes instead queue like any others (they do not touch its cache, which follows the
+        # tokens when it next drafts)
+        plain_queue = getattr(drafter, "draft_cache", None) is not None
+        self.pipelined = (
+            verify.verifier is None and kv.max_kv_size is None and (queues_steps(drafter) or plain_queue)
+        )
         self.windowed = getattr(model.family, "windowed", False)
         self.queued = queued_drafter(drafter) if self.pipelined else None
         self._decided: bool | None = None  # the policy's choice for the next step, when asked early
+        self._root_node = mx.array(0, dtype=mx.int32)  # a plain step's accepted node
         # asked once: typing's runtime-protocol isinstance costs ~20 us, every step
         self.times_steps = isinstance(drafter, StepTimer)
         self.learns = isinstance(drafter, AcceptanceObserver)
@@ -437,7 +444,7 @@ class StepPipeline:
             drafts = self.queued.draft_queued(prev.hidden[prev.last], root, noise=noise, length=length)
             drafts = drafts[: tree.size - 1]
         else:
-            drafts = mx.zeros((0,), dtype=mx.int32)
+            drafts = None  # (a lone root: no drafts to concatenate)
         hist = None if prev.history is None else mx.concatenate([prev.history, root.astype(mx.int32)])
         return self.launch(
             len(tokens) + 1,
@@ -456,7 +463,7 @@ class StepPipeline:
         length: int,
         root: mx.array,
         tree: Tree,
-        drafts: mx.array,
+        drafts: mx.array | None,
         history: mx.array | None = None,
         prev: InFlight | None = None,
         *,
@@ -494,12 +501,19 @@ class StepPipeline:
                 axis=1,
             )
         if shift is None:
-            positions = mx.array(tree.depths + (length - 1), dtype=mx.int32)
+            positions = mx.array(
+                [length - 1] if tree.size == 1 else tree.depths + (length - 1), dtype=mx.int32
+            )
         else:
             positions = tree.arrays[0] + (shift + (length - 1))
         logits, h, mids = fam.tree_forward(backbone, node_tokens, positions, mask, layers, self.capture)
         verdict = self.verify.judge(tree, node_tokens, logits, length, history, shift, spread)
-        last = accepted_node(tree, node_tokens, verdict.targets) if static else None
+        if not static:
+            last = None
+        elif tree.size == 1:  # its one node (made once: every op is host work)
+            last = self._root_node
+        else:
+            last = accepted_node(tree, node_tokens, verdict.targets)
         quantize_cache(layers, self.kv.bits, self.kv.group_size, self.kv.start)
         # a key/value cache's new entries are read by this forward's attention, so they are
         # computed with it; other caches (recurrent state) are queued themselves
@@ -525,7 +539,8 @@ class StepPipeline:
             raise RuntimeError(f"device acceptance {step.last.item()} differs from the host's path {path}")
         n, layers = step.tree.size, self.cache.layers
         queued = cache_offset(layers) - step.start - n  # entries of the step queued after it
-        keep_path(layers, step.start, path + list(range(n, n + queued)))
+        if n > 1:  # (a plain step's entry is already where it stays)
+            keep_path(layers, step.start, path + list(range(n, n + queued)))
         self.cache.tokens.extend(toks[i] for i in path)
         if after is not None:  # its entries now follow the accepted path
             after.start = step.start + len(path)

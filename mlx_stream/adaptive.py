@@ -26,13 +26,13 @@ class SpeculationPolicy:
     of the tau / c(N) criterion; cf. dynamic speculation lookahead, Mamou et al. 2024,
     and "SmartSpec", Liu et al. 2024).
 
-    The first step drafts and the next plain, until each mode has a kept observation (the
-    first of each mode pays one-time costs and is dropped, unless a drafting step accepted
-    nothing: no one-time cost makes that a win), then the faster mode is chosen. The other
+    The steps alternate, drafting first, until each mode has a kept observation (the first
+    of each mode pays one-time costs and is dropped), then the faster mode is chosen. The other
     mode is tried again now and then so the estimates follow drift: plain decoding every
     ``explore_every`` steps while drafting wins by less than ``sure_margin``; drafting, while
     it loses, once per its measured loss over ``explore_budget`` steps (a try costs
-    ``(t_draft - tokens * t_plain) / t_plain`` plain steps), at least every ``explore_every``
+    ``(t_draft - tokens * t_plain) / t_plain`` plain steps; every ``explore_every`` steps while
+    only one drafting step was timed), at least every ``explore_every``
     and at most every ``max_explore`` steps, so a drafter that cannot pay here (a useless
     draft model, or any drafter where the host's work per step outweighs its tau) costs
     about ``explore_budget`` of the time. Medians make one slow step harmless.
@@ -71,7 +71,7 @@ class SpeculationPolicy:
 
     def explore_interval(self, drafting_wins: bool) -> int:
         """Steps between tries of the mode not chosen (see the class docstring)."""
-        if drafting_wins:
+        if drafting_wins or len(self.t_draft) < 2:  # (one timing may carry one-time costs)
             return self.explore_every
         t_plain = statistics.median(self.t_plain)
         loss = (statistics.median(self.t_draft) - self.tokens * t_plain) / t_plain
@@ -83,8 +83,8 @@ class SpeculationPolicy:
         adv = self.advantage()
         if self._step <= self.warmup:
             return self._step % 2 == 1
-        if adv is None:  # the mode not measured yet; alternating (drafting first) until one is
-            return False if self.t_draft else True if self.t_plain else self._step % 2 == 1
+        if adv is None:  # alternating (drafting first) until both modes are measured
+            return self._step % 2 == 1
         best = adv >= 1.0
         self._since_explore += 1
         if self._since_explore >= self.explore_interval(best) and (not best or adv < self.sure_margin):
@@ -98,8 +98,7 @@ class SpeculationPolicy:
             self.tokens = tokens if self.tokens is None else self.tokens + self.decay * (tokens - self.tokens)
         if drafted not in self._seen:  # the first step of each mode pays one-time costs
             self._seen.add(drafted)
-            if not (drafted and tokens <= 1):  # (a drafting step that accepted nothing lost anyway)
-                return
+            return
         if drafted:
             self.t_draft = (self.t_draft + [seconds])[-self.window :]
         else:

@@ -256,7 +256,17 @@ def main(argv=None):
     )
     ap.add_argument("--no-phases", action="store_true")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("BEFORE", "AFTER"),
+        help="print two --json runs side by side",
+    )
     args = ap.parse_args(argv)
+    if args.compare:
+        compare(*(json.loads(p.read_text()) for p in args.compare))
+        return
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -305,6 +315,45 @@ def main(argv=None):
                 _print(name, temp, table, model)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+
+
+def compare(before: dict, after: dict) -> None:
+    """Two runs side by side: speed relative to the baseline, tau, TTFT; then ms per step by phase."""
+    for key in after:
+        if key not in before:
+            continue
+        b, a = before[key], after[key]
+        print(f"\n### {key}\n")
+        print("| decoding | before: x baseline | after: x baseline | tau | TTFT ms before / after |")
+        print("|---|---|---|---|---|")
+        for label, row in a.items():
+            if label not in b or "x base" not in row:
+                continue
+            base = row["base"].replace("mlx-lm ", "mlx-lm's ")
+            tau = "" if row["tau"] is None else f"{row['tau']:.2f}"
+            print(
+                f"| {label} | {b[label]['x base']:.2f}x | **{row['x base']:.2f}x** of {base} | {tau} "
+                f"| {b[label]['ttft ms']:.1f} / {row['ttft ms']:.1f} |"
+            )
+        bp, ap = b["mlx-lm plain"], a["mlx-lm plain"]
+        print(
+            f"| mlx-lm plain (tok/s) | {bp['tok/s']:.0f} | {ap['tok/s']:.0f} | | "
+            f"{bp['ttft ms']:.1f} / {ap['ttft ms']:.1f} |"
+        )
+        phased = [k for k in a if "phases ms/step" in a[k] and "phases ms/step" in b.get(k, {})]
+        if phased:
+            names = sorted(
+                {p for k in phased for p in a[k]["phases ms/step"]}, key=lambda p: (p == "total per step", p)
+            )
+            print("\nms of host time per step, before -> after:\n")
+            print("| phase | " + " | ".join(phased) + " |")
+            print("|---|" + "---|" * len(phased))
+            for p in names:
+                cells = [
+                    f"{b[k]['phases ms/step'].get(p, 0.0):.2f} -> {a[k]['phases ms/step'].get(p, 0.0):.2f}"
+                    for k in phased
+                ]
+                print(f"| {p} | " + " | ".join(cells) + " |")
 
 
 def _print(name, temp, table, model):

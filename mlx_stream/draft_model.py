@@ -333,7 +333,10 @@ class DraftModelDrafter:
         held, out = len(tokens), []
         logits = self.draft.sync(tokens)
         for d in range(1, depth + 1):
-            out.append(mx.argmax(self._log_probs(logits[None], d, noise), axis=-1).astype(mx.int32))
+            scores = (
+                logits[None] if noise is None else self._log_probs(logits[None], d, noise)
+            )  # (same argmax)
+            out.append(mx.argmax(scores, axis=-1).astype(mx.int32))
             mx.async_eval(out[-1])  # computed while the host records the next depth (as mlx-lm)
             if d < depth:  # the draft at depth d, after its parent's entry (d - 2; -1: the root)
                 parent = mx.array([d - 2], dtype=mx.int32)

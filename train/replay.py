@@ -103,7 +103,10 @@ def replay_sequence(
         else:  # queued: the static tree, drafted as the loop drafts it (no chain)
             tree, static = ahead, True
             drafts = propose(queued, h, tokens, tree.depth)[1].tolist() if tree.size > 1 else []
-        ahead = queued_tree(drafter, queued, tokens, depth - tree.depth - 1, True) if static else None
+        # (nothing is queued behind the first step: the loop's first token waits for one graph)
+        ahead = (
+            queued_tree(drafter, queued, tokens, depth - tree.depth - 1, True) if static and passes else None
+        )
         node_tokens = [tokens[-1], *drafts]
         ok = [True] + [False] * (tree.size - 1)
         best = 0

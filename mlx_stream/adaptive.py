@@ -31,11 +31,15 @@ class SpeculationPolicy:
     mode is tried again now and then so the estimates follow drift: plain decoding every
     ``explore_every`` steps while drafting wins by less than ``sure_margin``; drafting, while
     it loses, once per its measured loss over ``explore_budget`` steps (a try costs
-    ``(t_draft - tokens * t_plain) / t_plain`` plain steps; every ``explore_every`` steps while
-    only one drafting step was timed), at least every ``explore_every``
-    and at most every ``max_explore`` steps, so a drafter that cannot pay here (a useless
-    draft model, or any drafter where the host's work per step outweighs its tau) costs
-    about ``explore_budget`` of the time. Medians make one slow step harmless.
+    ``L = (t_draft - tokens * t_plain) / t_plain`` plain steps), at least every
+    ``explore_every`` and at most every ``max_explore`` steps, so a drafter that cannot pay
+    here (a useless draft model, or any drafter where the host's work per step outweighs
+    its tau) costs about ``explore_budget`` of the time. A drafter that must first catch up
+    with the tokens decoded plainly since its last try (a draft model prefills them into its
+    own cache: ``catch_up`` seconds per token) costs ``L + I * catch_up / t_plain`` plain steps
+    a try after ``I`` plain steps, so tries come every ``L / (explore_budget - catch_up /
+    t_plain)`` steps, or every ``max_explore`` where the catch-up alone exceeds the budget.
+    Medians make one slow step harmless.
 
     Attributes:
         explore_every: the fewest steps between tries of the mode not chosen.
@@ -47,6 +51,9 @@ class SpeculationPolicy:
         decay: weight of a new drafting step in the tokens' moving average, in (0, 1].
         sure_margin: drafting throughput over plain throughput above which plain
             steps are no longer tried.
+        catch_up: seconds per token a drafting try spends first on each token decoded
+            plainly since the drafter last ran (a draft model's prefill of them; 0 for
+            drafters that read the target's states).
     """
 
     explore_every: int = 16
@@ -56,6 +63,7 @@ class SpeculationPolicy:
     warmup: int = 0
     decay: float = 0.3
     sure_margin: float = 1.5
+    catch_up: float = 0.0
     t_draft: list = field(default_factory=list)
     t_plain: list = field(default_factory=list)
     tokens: float | None = None
@@ -71,11 +79,14 @@ class SpeculationPolicy:
 
     def explore_interval(self, drafting_wins: bool) -> int:
         """Steps between tries of the mode not chosen (see the class docstring)."""
-        if drafting_wins or len(self.t_draft) < 2:  # (one timing may carry one-time costs)
+        if drafting_wins:
             return self.explore_every
         t_plain = statistics.median(self.t_plain)
         loss = (statistics.median(self.t_draft) - self.tokens * t_plain) / t_plain
-        return int(min(self.max_explore, max(self.explore_every, loss / self.explore_budget)))
+        room = self.explore_budget - self.catch_up / t_plain  # the budget the catch-up leaves
+        if room <= 0:
+            return self.max_explore
+        return int(min(self.max_explore, max(self.explore_every, loss / room)))
 
     def use_drafts(self) -> bool:
         """Whether the next step sends the drafts to the forward pass."""
@@ -84,6 +95,8 @@ class SpeculationPolicy:
         if self._step <= self.warmup:
             return self._step % 2 == 1
         if adv is None:  # alternating (drafting first) until both modes are measured
+            if self.t_draft or self.t_plain:  # the one not yet measured (a queued step is
+                return not self.t_draft  # decided before the step before is observed)
             return self._step % 2 == 1
         best = adv >= 1.0
         self._since_explore += 1

@@ -173,6 +173,10 @@ class DraftCache:
         layers: one :class:`~mlx_stream.cache.TreeKVCache` per layer of the draft.
         tokens: the tokens whose keys/values ``layers`` hold, in order, before any
             speculative entries.
+        fed: tokens the last :meth:`sync` fed the draft model.
+        catch_up: seconds per token of the draft's prefill, measured on the prompt
+            (:func:`~mlx_stream.steps.prefill`; 0 until measured): what a drafting step
+            spends catching up with tokens decoded plainly.
     """
 
     def __init__(self, draft: DraftModel):
@@ -182,6 +186,8 @@ class DraftCache:
         self.layers = make_tree_cache(draft.backbone)
         self.tokens: list[int] = []
         self._pending: list[tuple[mx.array, mx.array]] = []  # (parent entry, token) per forward
+        self.fed = 0  # tokens the last sync fed the draft
+        self.catch_up = 0.0  # seconds per token of a prefill (measured on the prompt), 0: not yet
 
     def sync(self, tokens: Sequence[int], step_size: int = 2048) -> mx.array:
         """Make the cache hold exactly ``tokens`` (reusing its common prefix with them and
@@ -206,6 +212,7 @@ class DraftCache:
             trim_cache(self.layers, n)
         self._pending = []
         rest = list(tokens[n:])
+        self.fed = len(rest)
         for i in range(0, len(rest), step_size):
             logits, _, _ = d.family.prefill_forward(
                 d.backbone, mx.array(rest[i : i + step_size]), self.layers

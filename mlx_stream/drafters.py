@@ -816,11 +816,22 @@ def propose(
     return tree, drafts[: tree.size - 1].astype(mx.int32)
 
 
+def draft_cache_of(drafter):
+    """The :class:`~mlx_stream.draft_model.DraftCache` of a draft-model drafter (a
+    :class:`LookupDrafter` may wrap it), or None."""
+    return getattr(getattr(drafter, "base", drafter), "draft_cache", None)
+
+
 def queues_steps(drafter) -> bool:
     """Whether the decode loop may queue ``drafter``'s steps before the step before is
     read back: plain steps, and steps whose tree is its static one (not for heads that
     read the KV cache or every verified position, nor for trees that change per step,
-    except a :class:`LookupDrafter`'s when no chain joins)."""
+    except a :class:`LookupDrafter`'s when no chain joins). Beside a draft model, whose
+    own steps wait for the host, the plain steps adaptive speculation takes instead are
+    queued like any others: they do not touch its cache, which catches up with the tokens
+    when it next drafts."""
+    if draft_cache_of(drafter) is not None:
+        return True
     return (
         getattr(drafter, "capture", None) is None
         and not getattr(drafter, "reads_path", False)

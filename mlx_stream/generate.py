@@ -20,7 +20,7 @@ import numpy as np
 from .adaptive import SpeculationPolicy
 from .cache import TreeQuantizedKVCache, cache_offset, can_rewind, make_tree_cache, trim_cache
 from .checks import require_drafter, require_int, require_tokenizer, require_unicode
-from .drafters import Drafter, NoDrafter
+from .drafters import Drafter, NoDrafter, draft_cache_of
 from .model import require_model
 from .models import head_dim
 from .sampling import LogitsProcessor, SamplingParams
@@ -512,6 +512,8 @@ def stream_generate(
     logits, hidden, mid, reused, prompt_hidden = prefill(model, cache, ids, drafter, prefill_step_size, kv)
     step = _first_step(verify, ids, logits, hidden, mid, prompt_hidden)
     prompt_tps = (len(ids) - reused) / (time.perf_counter() - tic)
+    if pipe.policy is not None and draft_cache_of(drafter) is not None:
+        pipe.policy.catch_up = draft_cache_of(drafter).catch_up
 
     # Each step is launched (queued on the device) before the step before it is handed to
     # the caller, and read back after: the device computes while the host serves the
@@ -623,10 +625,7 @@ def _check_drafter(drafter, kv: KVSettings) -> None:
             "these heads read the backbone's cached keys/values (multi-stream attention), which "
             "max_kv_size and kv_bits change; decode them without those options"
         )
-    if (
-        getattr(getattr(drafter, "base", drafter), "draft_cache", None) is not None
-        and kv.max_kv_size is not None
-    ):
+    if draft_cache_of(drafter) is not None and kv.max_kv_size is not None:
         raise ValueError(
             "max_kv_size bounds the target's cache but not a draft model's, whose cache would grow "
             "without bound: decode with the draft model without max_kv_size, or bound memory "

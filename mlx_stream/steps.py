@@ -21,6 +21,7 @@ this step's rejected entries, the noise rows) stays on the device
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,6 +33,7 @@ from .cache import TreeKVCache, attention_mask, cache_offset, evict, keep_path, 
 from .drafters import (
     AcceptanceObserver,
     StepTimer,
+    draft_cache_of,
     drafts_own_tree,
     is_static_step,
     propose,
@@ -333,12 +335,17 @@ def prefill(model, cache, ids: list[int], drafter, step_size: int, kv: KVSetting
         evict(cache.layers)
         chunks.append(h)
     cache.tokens = list(ids)
-    draft = getattr(getattr(drafter, "base", drafter), "draft_cache", None)  # prompt lookup wraps it
+    draft = draft_cache_of(drafter)
     if draft is not None:
         # a draft model's prompt is prefilled here too (as mlx-lm does), so the first
-        # step drafts at decoding cost and prompt_tps covers both models' prefill
+        # step drafts at decoding cost and prompt_tps covers both models' prefill; its
+        # time per token is what the draft model later spends catching up with tokens
+        # decoded plainly (adaptive speculation counts it in each try)
+        tic = time.perf_counter()
         draft.sync(ids, step_size)
         mx.eval([c.state for c in draft.layers])
+        if draft.fed >= 16:  # (a few tokens' time is a forward's fixed cost, not a rate)
+            draft.catch_up = (time.perf_counter() - tic) / draft.fed
     return logits, hidden, mid, reused, mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]
 
 
@@ -365,13 +372,7 @@ class StepPipeline:
         self.policy = policy
         self.capture, self.fused = captures(drafter)
         self.reads_path = getattr(drafter, "reads_path", False)  # eagle heads read every verified position
-        # a draft model's own steps wait for the host, but the plain steps adaptive speculation
-        # takes instead queue like any others (they do not touch its cache, which follows the
-        # tokens when it next drafts)
-        plain_queue = getattr(drafter, "draft_cache", None) is not None
-        self.pipelined = (
-            verify.verifier is None and kv.max_kv_size is None and (queues_steps(drafter) or plain_queue)
-        )
+        self.pipelined = verify.verifier is None and kv.max_kv_size is None and queues_steps(drafter)
         self.windowed = getattr(model.family, "windowed", False)
         self.queued = queued_drafter(drafter) if self.pipelined else None
         self._decided: bool | None = None  # the policy's choice for the next step, when asked early

@@ -72,6 +72,34 @@ def test_a_drafter_that_cannot_pay_costs_about_the_exploration_budget(t_draft):
     assert sum(_simulate(SpeculationPolicy(), 3, 1.5)[10:]) >= 380
 
 
+def _simulate_queued(policy, tokens, t_draft, steps=400, t_plain=1.0):
+    # as the pipelined loop asks: step i + 1 is decided before step i is observed
+    used, pending = [], None
+    for _ in range(steps):
+        d = policy.use_drafts()
+        if pending is not None:
+            policy.observe(*pending)
+        pending = (d, t_draft if d else t_plain, tokens if d else 1)
+        used.append(d)
+    return used
+
+
+@pytest.mark.parametrize("catch_up", [0.0, 0.05])
+def test_decided_a_step_ahead_a_useless_drafter_is_tried_twice_then_per_budget(catch_up):
+    """With each step decided before the one before is observed (queued steps), the
+    alternation still ends after one kept timing of each mode (drafting at steps 0 and 2
+    only: a third try there costs ~3% of 200 tokens on a fast device); the next try comes
+    after its loss over the budget (2.5 / 1%: 250 steps), or, where catching up with the
+    plain steps (a draft model's prefill: 5% of a plain step per token) alone exceeds the
+    budget, after ``max_explore`` steps."""
+    policy = SpeculationPolicy(catch_up=catch_up)
+    used = _simulate_queued(policy, 1, 3.5, steps=600)
+    tries = [i for i, u in enumerate(used) if u]
+    assert tries[:2] == [0, 2]
+    assert 240 <= tries[2] <= 262 if catch_up == 0 else 500 <= tries[2] <= 520, tries
+    assert sum(_simulate_queued(SpeculationPolicy(catch_up=catch_up), 3, 1.5)[10:]) >= 380  # one that pays
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     from mlx_stream import load, load_draft
@@ -131,3 +159,31 @@ def test_plain_steps_beside_a_useless_draft_model_are_queued_and_lossless(pair):
         r.drafted for r in rs
     ]  # (a try that paid may repeat)
     assert sum(queued) >= len(rs) - 2 * tries - 3  # every plain step but those next to a try
+
+
+def test_a_draft_models_prefill_rate_reaches_the_policy(pair):
+    """The draft model's prefill of the prompt is timed (seconds per token): what each later
+    try spends catching up with the tokens decoded plainly, which adaptive speculation
+    counts; a useless draft model is then tried twice in 64 tokens, and the output is
+    plain decoding's."""
+    from mlx_stream import adaptive, stream_generate
+
+    target, tok, draft = pair
+    ids = tok.encode(" ".join(["the quick brown fox jumps over the lazy dog"] * 4))
+    assert len(ids) >= 16
+    ref = mlx_lm_greedy(target, tok, ids, 64)
+    seen = []
+    real = adaptive.SpeculationPolicy.use_drafts
+
+    def recording(self):
+        seen.append(self.catch_up)
+        return real(self)
+
+    adaptive.SpeculationPolicy.use_drafts = recording
+    try:
+        rs = list(stream_generate(target, tok, ids, max_tokens=64, draft_model=draft, prompt_lookup=0))
+    finally:
+        adaptive.SpeculationPolicy.use_drafts = real
+    assert [t for r in rs for t in r.tokens] == ref
+    assert seen and all(0 < c < 1 for c in seen[1:])  # a rate, set before the first drafting step is decided
+    assert sum(r.drafted > 0 for r in rs) <= 2 + sum(r.accepted > 0 for r in rs)

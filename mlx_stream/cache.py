@@ -66,6 +66,12 @@ class TreeMask:
         return near if mask is None else mask & near
 
 
+def _check_nodes(offset: int, start: int, nodes: Sequence[int]) -> None:
+    # the bounds every keep checks: the kept nodes are entries written so far
+    if len(nodes) and start + nodes[-1] >= offset:
+        raise ValueError(f"node {nodes[-1]} is past the cache end ({offset - start} tree entries)")
+
+
 class TreeKVCache(TreeMask, KVCache):
     """mlx-lm's :class:`~mlx_lm.models.cache.KVCache` plus :meth:`keep` and a draft
     tree's mask (:class:`TreeMask`).
@@ -82,8 +88,7 @@ class TreeKVCache(TreeMask, KVCache):
             ValueError: ``nodes`` reaches past the entries written so far.
         """
         n = len(nodes)
-        if n and start + nodes[-1] >= self.offset:
-            raise ValueError(f"node {nodes[-1]} is past the cache end ({self.offset - start} tree entries)")
+        _check_nodes(self.offset, start, nodes)
         if list(nodes) != list(range(n)):  # a path that is a prefix needs no copy
             idx = mx.array([start + i for i in nodes], dtype=mx.int32)
             self.keys[..., start : start + n, :] = self.keys[..., idx, :]
@@ -112,8 +117,7 @@ class TreeQuantizedKVCache(TreeMask, QuantizedKVCache):
     def keep(self, start: int, nodes: Sequence[int]) -> None:
         """As :meth:`TreeKVCache.keep`, on each packed array."""
         n = len(nodes)
-        if n and start + nodes[-1] >= self.offset:
-            raise ValueError(f"node {nodes[-1]} is past the cache end ({self.offset - start} tree entries)")
+        _check_nodes(self.offset, start, nodes)
         if list(nodes) != list(range(n)):
             idx = mx.array([start + i for i in nodes], dtype=mx.int32)
             for arrays in (self.keys, self.values):
@@ -215,8 +219,7 @@ class WindowKVCache(TreeMask):
         """As :meth:`TreeKVCache.keep` (``start``: the root's absolute position), then
         drop what the next token can no longer see, once past ``slack``."""
         n = len(nodes)
-        if n and start + nodes[-1] >= self.offset:
-            raise ValueError(f"node {nodes[-1]} is past the cache end ({self.offset - start} tree entries)")
+        _check_nodes(self.offset, start, nodes)
         p = start - self.dropped  # physical slot of the root
         if list(nodes) != list(range(n)):
             idx = mx.array([p + i for i in nodes], dtype=mx.int32)
@@ -382,18 +385,19 @@ def quantize_cache(cache: list, bits: int | None, group_size: int, start: int) -
             cache[i] = c.to_quantized(group_size=group_size, bits=bits)
 
 
-def attention_mask(cache: list, depths: np.ndarray, ancestors: np.ndarray) -> mx.array | None:
-    """The mask of a tree step over the cached prefix plus the tree: ``(N, S)`` bool
-    (S = held entries + N), or None for a single node that sees everything. Over a full
-    layer where the model mixes them with sliding-window ones (whose masks are narrowed
-    from it by :class:`TreeMask`)."""
+def attention_mask(cache: list, tree) -> mx.array | None:
+    """The mask of a step over ``tree`` (a :class:`~mlx_stream.tree.Tree`) after the cached
+    prefix: ``(N, S)`` bool (S = held entries + N), or None for a single node that sees
+    everything. Over a full layer where the model mixes them with sliding-window ones
+    (whose masks are narrowed from it by :class:`TreeMask`)."""
     c = next((x for x in cache if not isinstance(x, WindowKVCache)), cache[0])
     if isinstance(c, WindowKVCache):
-        return c.tree_mask(depths, ancestors)
-    n = len(depths)
+        return c.tree_mask(tree.depths, tree.mask)
+    n = tree.size
     if n == 1:
         return None
-    return mx.concatenate([mx.ones((n, c.offset), dtype=mx.bool_), mx.array(ancestors)], axis=1)
+    # the tree's part is on the device already (Tree.arrays): nothing uploaded per step
+    return mx.concatenate([mx.ones((n, c.offset), dtype=mx.bool_), tree.arrays[1]], axis=1)
 
 
 def can_rewind(cache: Sequence, length: int) -> bool:
@@ -435,10 +439,7 @@ def keep_path(cache: Sequence[TreeKVCache], start: int, nodes: Sequence[int]) ->
     nodes = list(nodes)
     end = start + len(nodes)
     if nodes == list(range(len(nodes))):  # a prefix of what was written: no copy
-        if end > cache_offset(cache):
-            raise ValueError(
-                f"node {nodes[-1]} is past the cache end ({cache_offset(cache) - start} tree entries)"
-            )
+        _check_nodes(cache_offset(cache), start, nodes)
         for c in cache:  # (the plain step: nothing moves; asked every step, per layer)
             if type(c) is TreeKVCache:
                 c.offset = end

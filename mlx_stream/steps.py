@@ -220,6 +220,11 @@ class TreeVerifier:
         most ``spread``). ``history``: those tokens, ``(length,)`` int32 (it may be lazy),
         needed only with logits processors. No host sync."""
         logits = self._processed(tree, node_tokens, logits, history)
+        if self.sampling.greedy and self.top_logprobs <= 0:
+            # the argmax's log-probability is max - logsumexp, bitwise log_softmax's max (the
+            # same subtraction, which keeps the order): no (N, V) array a step
+            f = logits.astype(mx.float32)
+            return Verdict(mx.argmax(logits, axis=-1), mx.max(f, axis=-1) - mx.logsumexp(f, axis=-1))
         logprobs = log_softmax(logits)  # (N, V)
         top = self._top(logprobs)
         if self.host_rule is not None:
@@ -374,6 +379,7 @@ class StepPipeline:
         self.reads_path = getattr(drafter, "reads_path", False)  # eagle heads read every verified position
         self.pipelined = verify.verifier is None and kv.max_kv_size is None and queues_steps(drafter)
         self.windowed = getattr(model.family, "windowed", False)
+        self.chain_offsets = getattr(model.family, "CHAIN_OFFSETS", False)
         self.queued = queued_drafter(drafter) if self.pipelined else None
         self._decided: bool | None = None  # the policy's choice for the next step, when asked early
         self._root_node = mx.array(0, dtype=mx.int32)  # a plain step's accepted node
@@ -487,7 +493,7 @@ class StepPipeline:
         else:
             node_tokens = mx.concatenate([root.astype(mx.int32), drafts.astype(mx.int32)])
         # causal over the cache (inside the window, for a bounded one), ancestors-only inside the tree
-        shift, spread, mask = None, 0, attention_mask(layers, tree.depths, tree.mask)
+        shift, spread, mask = None, 0, attention_mask(layers, tree)
         if prev is not None and prev.tree.size > 1:
             prev_depths, prev_mask = prev.tree.arrays[:2]
             shift, spread = prev_depths[prev.last], prev.tree.depth
@@ -501,7 +507,9 @@ class StepPipeline:
                 ],
                 axis=1,
             )
-        if shift is None:
+        if self.chain_offsets and tree.size > 1 and tree.is_chain:  # the root's position, as rope takes it
+            positions = length - 1 if shift is None else shift + (length - 1)
+        elif shift is None:
             positions = mx.array(
                 [length - 1] if tree.size == 1 else tree.depths + (length - 1), dtype=mx.int32
             )

@@ -61,6 +61,11 @@ class Tree:
         """Depth of the deepest node (the number of stream heads it needs)."""
         return int(self.depths.max())
 
+    @functools.cached_property
+    def is_chain(self) -> bool:
+        """Whether the tree is one path (node i at depth i), root only included."""
+        return self.depth == self.size - 1
+
     def topk(self) -> tuple[int, ...]:
         """How many top-k tokens each head must provide: ``(k_1, ..., k_depth)``."""
         ks = [0] * self.depth

@@ -344,13 +344,15 @@ def test_device_acceptance_is_the_host_walk():
     from mlx_stream.verify import accepted_node, verify_greedy
 
     rng = np.random.default_rng(0)
-    for spec in ["0", "0;1", "0;1;0,0", "0;1;2;0,0;0,1;1,0;0,0,0", "0;0,0;0,0,0"]:
+    specs = ["0", "0;1", "0;1;0,0", "0;1;2;0,0;0,1;1,0;0,0,0", "0;0,0;0,0,0", "chain:1", "chain:4"]
+    for spec in specs:  # (chains take their own shorter path)
         tree = parse_tree(spec, 4)
-        for _ in range(200):
+        for i in range(200):
             toks, targets = rng.integers(0, 3, tree.size), rng.integers(0, 3, tree.size)
             path, _ = verify_greedy(tree, toks.tolist(), targets.tolist())
-            node = accepted_node(tree, mx.array(toks, dtype=mx.int32), mx.array(targets, dtype=mx.int32))
-            assert node.item() == path[-1]
+            kind = mx.uint32 if i % 2 else mx.int32  # (the loop's targets are argmax's uint32)
+            node = accepted_node(tree, mx.array(toks, dtype=mx.int32), mx.array(targets, dtype=kind))
+            assert node.dtype == mx.int32 and node.item() == path[-1]
 
 
 def test_sampling_drafts_with_the_heads_sampled_tree(tiny_ref, tmp_path):

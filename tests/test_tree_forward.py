@@ -40,6 +40,34 @@ def test_tree_nodes_match_sequential(tiny, prefix_len):
         np.testing.assert_allclose(logits[i], ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_chain_rotated_from_its_roots_position_is_bitwise_the_per_node_forward(tiny, lazy):
+    """The llama family takes a chain's positions as its root's (an int, or a lazy ``()``
+    array for a queued step): the same logits, bitwise, as one position per node."""
+    from mlx_stream.tree import chain
+
+    model, _ = tiny
+    fam, bb = model.family, model.backbone
+    assert getattr(fam, "CHAIN_OFFSETS", False)
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, model.args.vocab_size, 12).tolist()
+    tree = chain(4)
+    nodes = mx.array(rng.integers(3, model.args.vocab_size, tree.size).tolist())
+    out = []
+    for scalar in (False, True):
+        cache = make_tree_cache(bb)
+        fam.prefill_hidden(bb, mx.array(prefix), cache)
+        start = cache[0].offset
+        mask = mx.concatenate([mx.ones((tree.size, start), dtype=mx.bool_), mx.array(tree.mask)], axis=1)
+        if not scalar:
+            positions = mx.array(start + tree.depths, dtype=mx.int32)
+        else:
+            positions = mx.array(start - 3, dtype=mx.int32) + 3 if lazy else start
+        h, _ = fam.tree_hidden(bb, nodes, positions, mask, cache)
+        out.append(np.array(fam.project(bb, h)))
+    assert np.array_equal(out[0], out[1])
+
+
 def test_compacted_cache_continues_like_sequential(tiny):
     """After keeping one path, the next forward sees exactly the emitted prefix."""
     model, _ = tiny

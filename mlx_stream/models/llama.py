@@ -15,6 +15,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from .projected import projected
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+CHAIN_OFFSETS = True  # tree_forward takes a chain's positions as its root's (see tree_hidden)
 
 
 def _queue_every(backbone) -> int:
@@ -36,7 +37,9 @@ def _attention(attn, x, positions, mask, cache):
     v = attn.v_proj(x).reshape(B, N, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if hasattr(attn, "q_norm"):  # qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
-    if N == 1:  # (1, H, 1, D) is already one node per batch row: no reshapes (fewer ops a step)
+    if N == 1 or not isinstance(positions, mx.array) or positions.ndim == 0:
+        # one node, or a chain rotated from its root's position as mlx-lm rotates a sequence
+        # (bitwise the same rotations): no reshapes (each op is host work on a fast device)
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=positions)
         k = attn.rope(k.transpose(0, 2, 1, 3), offset=positions)
     else:  # nodes on the batch axis: (N, H, 1, D), one rope offset per node
@@ -59,6 +62,8 @@ def tree_hidden(backbone, tokens: mx.array, positions: mx.array, mask, cache, ca
     ``capture=(l1, l2, ...)``, those entering each of the layers, concatenated in that
     order (EAGLE-3's fused features).
 
+    ``positions``: int32 ``(N,)`` each node's absolute position, or, for a chain (node i
+    at depth i), the root's position as an int or a ``()`` int32 array (may be lazy).
     ``mask`` is ``None`` for a single node, else a bool ``(N, S)`` array over the
     cached prefix plus the tree (S = cache offset + N).
 

@@ -185,7 +185,8 @@ class DraftCache:
         self.draft = draft
         self.layers = make_tree_cache(draft.backbone)
         self.tokens: list[int] = []
-        self._pending: list[tuple[mx.array, mx.array]] = []  # (parent entry, token) per forward
+        # (parent entries, tokens) per forward: parents as host ints where the host knows them
+        self._pending: list[tuple[list[int] | mx.array, mx.array]] = []
         self.fed = 0  # tokens the last sync fed the draft
         self.catch_up = 0.0  # seconds per token of a prefill (measured on the prompt), 0: not yet
 
@@ -223,8 +224,9 @@ class DraftCache:
         return logits[: d.vocab]
 
     def _accepted_path(self, tokens: Sequence[int]) -> list[int]:
-        parents = mx.concatenate([p for p, _ in self._pending]).tolist()
-        toks = mx.concatenate([t for _, t in self._pending]).tolist()
+        # each part read as it is (computed with the step): no new op to evaluate here
+        parents = [e for p, _ in self._pending for e in (p if isinstance(p, list) else p.tolist())]
+        toks = [t for _, ts in self._pending for t in ts.tolist()]
         children: dict[tuple[int, int], int] = {}
         for e, key in enumerate(zip(parents, toks)):
             children.setdefault(key, e)
@@ -237,17 +239,22 @@ class DraftCache:
         return path
 
     def forward(
-        self, tokens: mx.array, positions: mx.array, mask: mx.array, parents: mx.array | None = None
+        self,
+        tokens: mx.array,
+        positions: mx.array,
+        mask: mx.array,
+        parents: mx.array | list[int] | None = None,
     ) -> mx.array:
         """``(n, vocab)`` logits of ``n`` speculative entries (``(n,)`` tokens at
         ``(n,)`` positions) written after what the cache holds (:attr:`tokens` and the
         ``E`` entries written since); ``mask`` ``(n, len(tokens) + E + n)``; ``parents``
-        ``(n,)``: each entry's parent entry (0..E-1, or -1: the last of :attr:`tokens`),
-        so that :meth:`sync` can keep the accepted ones (None: never kept)."""
+        ``(n,)`` int32 (or ``n`` ints): each entry's parent entry (0..E-1, or -1: the last
+        of :attr:`tokens`), so that :meth:`sync` can keep the accepted ones (None: never
+        kept)."""
         d = self.draft
         logits, _, _ = d.family.tree_forward(d.backbone, tokens, positions, mask, self.layers)
         n = tokens.shape[0]
-        self._pending.append((mx.full((n,), -3, dtype=mx.int32) if parents is None else parents, tokens))
+        self._pending.append(([-3] * n if parents is None else parents, tokens))
         return logits[:, : d.vocab]
 
     def rewind(self) -> None:
@@ -346,10 +353,7 @@ class DraftModelDrafter:
             out.append(mx.argmax(scores, axis=-1).astype(mx.int32))
             mx.async_eval(out[-1])  # computed while the host records the next depth (as mlx-lm)
             if d < depth:  # the draft at depth d, after its parent's entry (d - 2; -1: the root)
-                parent = mx.array([d - 2], dtype=mx.int32)
-                logits = self.draft.forward(out[-1], mx.array([held + d - 1], dtype=mx.int32), None, parent)[
-                    0
-                ]
+                logits = self.draft.forward(out[-1], mx.array([held + d - 1], dtype=mx.int32), None, [d - 2])[0]
         key = ("chain", depth)
         if key not in self._trees:
             self._trees[key] = chain(depth)

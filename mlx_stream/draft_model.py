@@ -353,7 +353,9 @@ class DraftModelDrafter:
             out.append(mx.argmax(scores, axis=-1).astype(mx.int32))
             mx.async_eval(out[-1])  # computed while the host records the next depth (as mlx-lm)
             if d < depth:  # the draft at depth d, after its parent's entry (d - 2; -1: the root)
-                logits = self.draft.forward(out[-1], mx.array([held + d - 1], dtype=mx.int32), None, [d - 2])[0]
+                logits = self.draft.forward(out[-1], mx.array([held + d - 1], dtype=mx.int32), None, [d - 2])[
+                    0
+                ]
         key = ("chain", depth)
         if key not in self._trees:
             self._trees[key] = chain(depth)

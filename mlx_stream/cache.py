@@ -79,10 +79,11 @@ class TreeKVCache(TreeMask, KVCache):
     Keys/values: ``(B, n_kv_heads, capacity, head_dim)``, valid up to ``offset``.
     """
 
-    def keep(self, start: int, nodes: Sequence[int]) -> None:
+    def keep(self, start: int, nodes: Sequence[int], slots: mx.array | None = None) -> None:
         """Keep the tree nodes ``nodes`` (indices relative to ``start``, ascending,
         ``nodes[0] == 0``) in slots ``start .. start + len(nodes) - 1`` and drop the
-        rest of the tree.
+        rest of the tree. ``slots``: int32 ``start + nodes`` where the caller made it
+        already (:func:`keep_path`: one upload for every layer).
 
         Raises:
             ValueError: ``nodes`` reaches past the entries written so far.
@@ -90,9 +91,12 @@ class TreeKVCache(TreeMask, KVCache):
         n = len(nodes)
         _check_nodes(self.offset, start, nodes)
         if list(nodes) != list(range(n)):  # a path that is a prefix needs no copy
-            idx = mx.array([start + i for i in nodes], dtype=mx.int32)
-            self.keys[..., start : start + n, :] = self.keys[..., idx, :]
-            self.values[..., start : start + n, :] = self.values[..., idx, :]
+            if slots is None:
+                slots = mx.array([start + i for i in nodes], dtype=mx.int32)
+            # take along the sequence axis: one gather (indexing with `...` adds reshapes;
+            # ~0.05 ms of host and device time a tree step on the tiny model)
+            self.keys[..., start : start + n, :] = mx.take(self.keys, slots, axis=2)
+            self.values[..., start : start + n, :] = mx.take(self.values, slots, axis=2)
         self.offset = start + n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> TreeQuantizedKVCache:
@@ -122,7 +126,7 @@ class TreeQuantizedKVCache(TreeMask, QuantizedKVCache):
             idx = mx.array([start + i for i in nodes], dtype=mx.int32)
             for arrays in (self.keys, self.values):
                 for a in arrays:
-                    a[..., start : start + n, :] = a[..., idx, :]
+                    a[..., start : start + n, :] = mx.take(a, idx, axis=2)
         self.offset = start + n
 
 
@@ -223,8 +227,8 @@ class WindowKVCache(TreeMask):
         p = start - self.dropped  # physical slot of the root
         if list(nodes) != list(range(n)):
             idx = mx.array([p + i for i in nodes], dtype=mx.int32)
-            self.keys[..., p : p + n, :] = self.keys[..., idx, :]
-            self.values[..., p : p + n, :] = self.values[..., idx, :]
+            self.keys[..., p : p + n, :] = mx.take(self.keys, idx, axis=2)
+            self.values[..., p : p + n, :] = mx.take(self.values, idx, axis=2)
         self.offset = start + n
         self.evict()
 
@@ -446,5 +450,9 @@ def keep_path(cache: Sequence[TreeKVCache], start: int, nodes: Sequence[int]) ->
             else:
                 c.keep(start, nodes)
         return
+    slots = mx.array([start + i for i in nodes], dtype=mx.int32)  # (the same in every full layer)
     for c in cache:
-        c.keep(start, nodes)
+        if type(c) is TreeKVCache:
+            c.keep(start, nodes, slots)
+        else:
+            c.keep(start, nodes)

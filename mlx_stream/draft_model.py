@@ -194,7 +194,7 @@ class DraftCache:
         """Make the cache hold exactly ``tokens`` (reusing its common prefix with them and
         the speculative entries on their path, at least one token fed) and return the
         ``(vocab,)`` logits after the last, lazy."""
-        from .cache import can_rewind, make_tree_cache, trim_cache
+        from .cache import can_rewind, keep_path, make_tree_cache, trim_cache
 
         d = self.draft
         n, limit = 0, min(len(self.tokens), len(tokens) - 1)
@@ -206,8 +206,7 @@ class DraftCache:
             self.layers, self.tokens, self._pending, n = make_tree_cache(d.backbone), [], [], 0
         if n == len(self.tokens) and self._pending:
             path = self._accepted_path(tokens[n : len(tokens) - 1])
-            for c in self.layers:
-                c.keep(n, path)  # the accepted entries into slots n.., the rest dropped
+            keep_path(self.layers, n, path)  # the accepted entries into slots n.., the rest dropped
             n += len(path)
         else:
             trim_cache(self.layers, n)

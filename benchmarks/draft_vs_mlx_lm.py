@@ -46,7 +46,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_stream import PromptCache, load, stream_generate
 from mlx_stream.bench import timed_tokens
 from mlx_stream.cache import TreeKVCache
-from mlx_stream.draft_model import DraftCache
+from mlx_stream.drafters.draft_model import DraftCache
 from mlx_stream.prompts import prompt_ids, select_prompts
 
 

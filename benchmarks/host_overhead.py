@@ -15,7 +15,7 @@ decoding with the same draft and K), tau, time to first token (TTFT, from the ca
 first response), and whether the tokens equal plain mlx-lm's (greedy rows). Configurations:
 
 * ``plain``: ``heads=None``, ``adaptive=False``;
-* ``oracle chain-3`` / ``oracle tree-8``: an :class:`~mlx_stream.drafters.OracleDrafter`
+* ``oracle chain-3`` / ``oracle tree-8``: an :class:`~mlx_stream.drafters.oracle.OracleDrafter`
   proposing the target's own greedy continuation (tau 4: the ceiling is 4x), a chain of 3
   and an 8-node tree of depth 3;
 * ``draft chain-3``: a draft model with the target's weights (a second copy: tau 4),

@@ -59,7 +59,7 @@ def breakdown(stats: pstats.Stats, prefill_s: float = 0.0) -> dict:
         "prefill (compute)": prefill_s,
         "forward (compute, synced when a step is read back)": own("finish", "steps.py"),
         "graph building (tree_hidden, project)": cum("tree_hidden") + cum("project", "models"),
-        "drafting (heads graph + prompt lookup)": cum("propose", "drafters.py"),
+        "drafting (heads graph + prompt lookup)": cum("propose", "drafters/"),
         "verification (host)": cum("verify_greedy") + cum("verify_coupled"),
         "KV cache (keep_path)": cum("keep_path"),
         "text (stop strings, detokenizer)": cum("push", "generate.py"),

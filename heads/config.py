@@ -56,6 +56,12 @@ class HeadConfig:
         trained_positions: training positions the heads have seen, summed over every
             run that trained them (an epoch counts each position once more);
             continued training (``mlx-stream train --init-heads``) adds to it.
+        eagle3: "eagle" only: empty for our own draft layer; else the heads are a published
+            EAGLE-3 layer (:class:`~mlx_stream.heads.eagle3.Eagle3Draft`, read by
+            :func:`mlx_stream.drafters.eagle3.load_eagle3`) with these options
+            (:data:`~mlx_stream.heads.eagle3.EAGLE3_OPTIONS`); ``draft_vocab_size`` is
+            then its output head's rows (0: the full vocabulary) and ``fuse_layers`` the
+            target layers whose inputs it reads.
     """
 
     num_heads: int
@@ -74,6 +80,7 @@ class HeadConfig:
     stream_copies: bool = False
     fuse_layers: list = field(default_factory=list)
     sampled_tree: str = ""
+    eagle3: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.num_layers < 1:
@@ -87,6 +94,8 @@ class HeadConfig:
             )
         if self.architecture == "eagle" and not self.layer_spec:
             raise ValueError("eagle heads need layer_spec (the draft layer's model_type and args)")
+        if self.eagle3 and (self.architecture != "eagle" or not self.fuse_layers):
+            raise ValueError("eagle3 applies to eagle heads that fuse target layers (fuse_layers)")
         if self.fuse_layers and self.architecture != "eagle":
             raise ValueError("fuse_layers applies to eagle heads only")
         if self.stream_copies and (self.architecture != "msa" or not self.layer_spec):

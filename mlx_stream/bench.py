@@ -225,7 +225,7 @@ def side_by_side(
         decoding: mlx-stream's settings; ``tree="auto"`` is resolved first
             (:func:`mlx_stream.speculation.auto_tree`) and reported with its expected bound.
         groups: a task-group label per prompt (medians per group).
-        oracle: draft the target's own greedy output (:class:`~mlx_stream.drafters.OracleDrafter`,
+        oracle: draft the target's own greedy output (:class:`~mlx_stream.drafters.oracle.OracleDrafter`,
             default tree ``chain:3``): the loop's ceiling; the result then carries
             ``oracle_ceiling``: tau / c(N), and the loop's overhead against it.
         log: receives one-line messages (the tree chosen, the cost curve).
@@ -239,7 +239,7 @@ def side_by_side(
     Raises:
         ValueError: the oracle with sampling or with ``tree="auto"``, or a bad tree.
     """
-    from .drafters import OracleDrafter
+    from .drafters.oracle import OracleDrafter
     from .speculation import auto_tree, is_auto, resolve_tree, stored_tree
 
     make, shape, chosen = None, None, None

@@ -30,8 +30,9 @@ import numpy as np
 
 from .checks import require_int
 from .cost import StepCosts
-from .drafters import HeadsDrafter, LookupDrafter, NoDrafter, accepted_nodes, propose
-from .lookup import append_chain, lookup_length, match_suffix
+from .drafters.base import NoDrafter, accepted_nodes, propose
+from .drafters.lookup import LookupDrafter, append_chain, lookup_length, match_suffix
+from .drafters.stream_heads import HeadsDrafter
 from .model import require_model
 from .tree import Tree
 
@@ -107,7 +108,7 @@ class BudgetDrafter(LookupDrafter):
     (both up to ``num_draft`` tokens; the store's chain is dropped where it starts
     like the copy); :func:`plan_budget` picks how many nodes of each to draft under
     this device's :class:`StepCosts`. The chains join under the root as
-    :class:`~mlx_stream.drafters.LookupDrafter`'s chain does, so verification (greedy
+    :class:`~mlx_stream.drafters.lookup.LookupDrafter`'s chain does, so verification (greedy
     or exact sampling) is unchanged and output stays lossless.
 
     Estimates are learned from every verified step (:meth:`observe`): a chain's
@@ -220,7 +221,7 @@ class BudgetDrafter(LookupDrafter):
         out = {}
         n, start = match_suffix(tokens, self.max_ngram, self.min_ngram)
         if n and k:
-            from .lookup import copy_from
+            from .drafters.lookup import copy_from
 
             out["context"] = (n, copy_from(tokens, start, lookup_length(n, k)))
         if self.store is not None and k:

@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .cost import StepCosts, device_costs, device_key
-from .draft_model import DraftModel
+from .drafters.draft_model import DraftModel
 
 MAX_DEPTH = 8  # the longest chain considered
 MIN_SPEEDUP = 1.02  # a draft must be expected to beat plain decoding by this much
@@ -262,7 +262,7 @@ def self_draft(model, tokenizer, cache_dir=None, refresh: bool = False) -> tuple
     measured forward time; the subset and chain length with the best expected speedup win.
 
     Returns:
-        ``(draft, info)``: a :class:`~mlx_stream.draft_model.DraftModel` over the best
+        ``(draft, info)``: a :class:`~mlx_stream.drafters.draft_model.DraftModel` over the best
         subset's layers (sharing the target's weights) with its calibrated ``depth`` and
         ``budget``: depth 0 where no subset is expected to pay on this device (the loop
         then decodes plainly unless ``num_draft_tokens`` forces a chain); ``info`` has

@@ -44,8 +44,8 @@ _MODEL = typer.Option(
 _HEADS = typer.Option(
     DEFAULT_HEADS,
     "--heads",
-    help=f"Heads folder; '{DEFAULT_HEADS}' = the heads shipped for the model if any, "
-    f"'{NO_HEADS}' = plain decoding.",
+    help=f"Heads folder, or a published EAGLE-3 checkpoint folder; '{DEFAULT_HEADS}' = the heads "
+    f"shipped for the model if any, '{NO_HEADS}' = plain decoding.",
 )
 _TREE = typer.Option(
     None,
@@ -1243,7 +1243,7 @@ def calibrate(
         )
     chosen = rows[info.get("best", 0)]
     if chosen.get("node_costs"):
-        from mlx_stream.draft_model import expand_count
+        from mlx_stream.drafters.draft_model import expand_count
 
         costs = ", ".join(f"{n} nodes {c:.2f}x" for n, c in chosen["node_costs"].items())
         most = expand_count(chosen["node_costs"], 1 << 10)

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import make_tree_cache, trim_cache
-from .drafters import HeadsDrafter
+from .drafters.stream_heads import HeadsDrafter
 from .models import text_args
 from .tree import Tree, chain
 
@@ -179,7 +179,7 @@ def forward_cost(
 
 def draft_times(model, trees: Sequence, context: int = 256, repeats: int = 10) -> list[float]:
     """Median milliseconds for ``model``'s heads to draft each tree of ``trees`` once
-    (a :class:`~mlx_stream.drafters.HeadsDrafter` at a cached context of ``context``
+    (a :class:`~mlx_stream.drafters.stream_heads.HeadsDrafter` at a cached context of ``context``
     tokens, prefilled once for all trees), evaluation included."""
     fam, bb = model.family, model.backbone
     if model.heads is not None and model.heads.autoregressive:
@@ -205,7 +205,7 @@ def draft_times(model, trees: Sequence, context: int = 256, repeats: int = 10) -
 def _eagle_draft_times(model, trees, context: int, repeats: int) -> list[float]:
     # an eagle drafter primed with the context's entries, then timed on steps that each
     # commit two verified positions (a typical accepted path) and draft the tree
-    from .drafters import EagleDrafter
+    from .drafters.eagle import EagleDrafter
 
     bb = model.backbone
     ids = mx.arange(1, context + 1, dtype=mx.int32) % text_args(bb).vocab_size

@@ -20,12 +20,12 @@ import numpy as np
 from .adaptive import SpeculationPolicy
 from .cache import TreeQuantizedKVCache, cache_offset, can_rewind, make_tree_cache, trim_cache
 from .checks import require_drafter, require_int, require_tokenizer, require_unicode
-from .drafters import Drafter, NoDrafter, draft_cache_of
+from .drafters.base import Drafter, NoDrafter
 from .model import require_model
 from .models import head_dim
 from .sampling import LogitsProcessor, SamplingParams
 from .speculation import check_prompt_lookup, check_tree_spec, make_drafter
-from .steps import KVSettings, Step, StepPipeline, TreeVerifier, check_kv, prefill
+from .steps import KVSettings, Step, StepPipeline, TreeVerifier, check_kv, draft_cache_of, prefill
 from .tree import Tree, no_drafts
 
 
@@ -95,7 +95,7 @@ class PromptCache:
             its quantized form once ``kv_bits`` applies, or
             :class:`~mlx_stream.cache.WindowKVCache`).
         tokens: the tokens whose keys/values the cache holds, in order.
-        draft: the draft model's own cache (:class:`~mlx_stream.draft_model.DraftCache`)
+        draft: the draft model's own cache (:class:`~mlx_stream.drafters.draft_model.DraftCache`)
             when one drafts, else None.
         source: what a prompt-cache file's tokens were made from, when the file says
             (``mlx-stream cache-prompt``): ``{"system": str | None, "prompt": str | None,
@@ -124,10 +124,10 @@ class PromptCache:
         self.source = None
 
     def draft_cache(self, draft_model):
-        """The cache of ``draft_model`` (a :class:`~mlx_stream.draft_model.DraftModel`)
+        """The cache of ``draft_model`` (a :class:`~mlx_stream.drafters.draft_model.DraftModel`)
         that goes with this one: made on first use, kept across calls (it follows the
         tokens it is given), replaced when another draft model asks."""
-        from .draft_model import DraftCache
+        from .drafters.draft_model import DraftCache
 
         if self.draft is None or self.draft.draft is not draft_model:
             self.draft = DraftCache(draft_model)
@@ -426,7 +426,7 @@ def stream_generate(
             off for a custom ``drafter`` and for an explicit ``num_draft_tokens`` chain
             (drafted at every step, as mlx-lm does).
         prompt_lookup: the most tokens drafted per step by prompt lookup
-            (:class:`~mlx_stream.drafters.LookupDrafter`, joined to the heads' tree
+            (:class:`~mlx_stream.drafters.lookup.LookupDrafter`, joined to the heads' tree
             whatever adaptive speculation decides for the heads); 0 turns it off;
             None: :data:`~mlx_stream.speculation.PROMPT_LOOKUP` with heads, 0 without.
             Where the context has no match, ``model.datastore`` (past answers: the
@@ -450,11 +450,11 @@ def stream_generate(
             other quantization levels than sequential decoding's: ValueError with a
             drafter), and not with ``max_kv_size`` (mlx-lm neither).
         draft_model: a separate draft model drafts instead of the heads (Leviathan et
-            al. 2023; a :class:`~mlx_stream.draft_model.DraftModel` from
+            al. 2023; a :class:`~mlx_stream.drafters.draft_model.DraftModel` from
             :func:`mlx_stream.load_draft`, or ``load(..., draft_model=SPEC)``, which sets
             ``model.draft_model``, the default here): EAGLE-2's dynamic tree from its
             logits, coupled to the target's draws when sampling
-            (:class:`~mlx_stream.draft_model.DraftModelDrafter`; ``tree="dynamic:N[,W[,D]]"``
+            (:class:`~mlx_stream.drafters.draft_model.DraftModelDrafter`; ``tree="dynamic:N[,W[,D]]"``
             sets its node budget, width and depth). Its KV cache lives in the ``prompt_cache``
             beside the target's, so a chat reuses both. ``False``: the heads draft even
             where ``model.draft_model`` is set.
@@ -595,7 +595,7 @@ def _prompt_ids(model, tokenizer, prompt, prompt_cache: PromptCache | None, kv: 
 def _model_drafter(model, cache, tree, prompt_lookup, sampling, draft_model, num_draft_tokens):
     # the model's own drafter: its draft model (given, else the loaded one; False: none),
     # whose KV cache lives in the prompt cache, else its heads; prompt lookup beside
-    from .draft_model import DraftModel
+    from .drafters.draft_model import DraftModel
 
     if draft_model is None:
         draft_model = getattr(model, "draft_model", None)

@@ -277,7 +277,9 @@ def load(
         heads: ``"default"`` (:data:`DEFAULT_HEADS`, the default): the heads shipped
             with the package for this model (also under another name: a converted copy
             with the same weights, :func:`shipped_heads_for`), or none when none ship
-            (:func:`resolve_heads`); a heads folder; a
+            (:func:`resolve_heads`); a heads folder; a published EAGLE-3 checkpoint
+            folder (SafeAILab/SpecForge or ``speculators`` layout, checked against the
+            target: :func:`mlx_stream.drafters.eagle3.load_eagle3`); a
             :class:`~mlx_stream.heads.StreamHeads` object; or ``None`` / ``"none"``:
             plain decoding through the same loop.
         dtype: ``"auto"`` (float32 on CPU; keep quantised weights on a GPU),
@@ -304,6 +306,7 @@ def load(
             draft model whose tokenizer differs from the target's (:func:`load_draft`).
     """
     from .datastore import STORE_FILE, AnswerStore, DraftStore, answers_path, load_store
+    from .drafters.eagle3 import is_eagle3, load_eagle3
     from .heads import StreamHeads, backbone_fingerprint, load_heads
 
     if dtype not in DTYPES:
@@ -342,7 +345,10 @@ def load(
     if heads is not None and not isinstance(heads, StreamHeads):
         if (Path(heads) / STORE_FILE).is_file():
             shipped = load_store(Path(heads) / STORE_FILE, fp["tokenizer"])
-        heads = load_heads(heads, fp)
+        if is_eagle3(heads):  # a published EAGLE-3 drafter, checked against this target
+            heads = load_eagle3(heads, backbone, fp)
+        else:
+            heads = load_heads(heads, fp)
     elif isinstance(heads, StreamHeads):
         if heads.config.fingerprint and heads.config.fingerprint != fp:
             raise ValueError(
@@ -378,22 +384,22 @@ def load_draft(
         calibrate: measure once on this device (then cached) how deep the draft drafts
             (:func:`mlx_stream.calibrate.calibrate_draft`: its agreement with the target
             and its relative cost); False: the default tree
-            (:data:`~mlx_stream.draft_model.DRAFT_TREE`). ``"self"`` is always calibrated.
+            (:data:`~mlx_stream.drafters.draft_model.DRAFT_TREE`). ``"self"`` is always calibrated.
         p_min: drafting stops once the draft's best path is less likely than this
-            (llama.cpp's ``--draft-p-min``; :attr:`~mlx_stream.draft_model.DraftModel.p_min`);
-            None: :data:`~mlx_stream.draft_model.P_MIN`; 0: always the full depth.
+            (llama.cpp's ``--draft-p-min``; :attr:`~mlx_stream.drafters.draft_model.DraftModel.p_min`);
+            None: :data:`~mlx_stream.drafters.draft_model.P_MIN`; 0: always the full depth.
 
     Returns:
-        a :class:`~mlx_stream.draft_model.DraftModel`.
+        a :class:`~mlx_stream.drafters.draft_model.DraftModel`.
 
     Raises:
         TypeError: an argument of the wrong kind (the message names the accepted forms).
         FileNotFoundError, ValueError: see :func:`resolve_model_path`; a draft whose
             tokenizer or special tokens differ from the target's (the first difference
-            named, :func:`~mlx_stream.draft_model.check_draft_tokenizer`), before any
+            named, :func:`~mlx_stream.drafters.draft_model.check_draft_tokenizer`), before any
             decoding.
     """
-    from .draft_model import DraftModel, check_draft_tokenizer
+    from .drafters.draft_model import DraftModel, check_draft_tokenizer
 
     require_model(target, "target")
     require_tokenizer(tokenizer)

@@ -23,7 +23,7 @@ class SpeculativeModel(nn.Module):
         datastore: the :class:`~mlx_stream.datastore.DraftStore` of past answers that
             prompt lookup's chains also draft from, or ``None``
             (:func:`mlx_stream.loader.load` sets it).
-        draft_model: a :class:`~mlx_stream.draft_model.DraftModel` that drafts instead
+        draft_model: a :class:`~mlx_stream.drafters.draft_model.DraftModel` that drafts instead
             of the heads, or ``None`` (``load(..., draft_model=)`` sets it).
 
     Raises:

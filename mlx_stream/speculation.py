@@ -29,7 +29,10 @@ from .budget import BudgetDrafter, head_values
 from .checks import check_p_min, kind, require_int
 from .cost import StepCosts, device_costs
 from .defaults import AUTO_TREE, BUDGET_TREE, PROMPT_LOOKUP
-from .drafters import Drafter, DynamicTreeDrafter, EagleDrafter, HeadsDrafter, LookupDrafter, NoDrafter
+from .drafters.base import Drafter, NoDrafter
+from .drafters.eagle import DynamicTreeDrafter, EagleDrafter
+from .drafters.lookup import LookupDrafter
+from .drafters.stream_heads import HeadsDrafter
 from .model import require_model
 from .tree import Tree, check_ranks, check_tree_syntax, format_tree, no_drafts, parse_tree
 
@@ -200,7 +203,7 @@ class DraftPlan:
             :attr:`budget` nodes, 0: chosen here, :attr:`width` children per node,
             :attr:`depth` deep, 0: the heads' depth) or
             ``"budget"`` (:class:`~mlx_stream.budget.BudgetDrafter`), ``"draft"`` (a
-            separate draft model's tree, :class:`~mlx_stream.draft_model.DraftModelDrafter`:
+            separate draft model's tree, :class:`~mlx_stream.drafters.draft_model.DraftModelDrafter`:
             :attr:`budget` nodes, :attr:`width` children per expanded node,
             :attr:`depth` deep, :attr:`expand` nodes expanded per depth, expansion
             stopping below :attr:`p_min`).
@@ -212,7 +215,7 @@ class DraftPlan:
         prompt_lookup: the most tokens prompt lookup copies per step (0: off).
         store: the datastore beside prompt lookup, or None.
         spec: the spec as given, for messages.
-        draft: the :class:`~mlx_stream.draft_model.DraftModel` (``"draft"``).
+        draft: the :class:`~mlx_stream.drafters.draft_model.DraftModel` (``"draft"``).
     """
 
     kind: str
@@ -324,7 +327,7 @@ def plan_drafting(
 
 
 def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
-    from .draft_model import DRAFT_TREE, DraftModel
+    from .drafters.draft_model import DRAFT_TREE, DraftModel
 
     if not isinstance(draft, DraftModel):
         raise TypeError(
@@ -377,7 +380,7 @@ def _draft_model_plan(draft, tree, num_draft_tokens, common) -> DraftPlan:
 
 
 def _p_min(draft, chain: bool = False) -> float:
-    from .draft_model import P_MIN
+    from .drafters.draft_model import P_MIN
 
     check_p_min(draft.p_min)  # an attribute a caller may set
     if draft.p_min is None:  # an explicit chain of K drafts K (mlx-lm's num_draft_tokens)
@@ -395,7 +398,7 @@ def build_drafter(model, plan: DraftPlan, costs=None, draft_cache=None) -> Draft
         costs: this device's :class:`~mlx_stream.cost.StepCosts` for the plan's
             candidates; None: :func:`~mlx_stream.cost.device_costs` (measured once,
             then cached) where :attr:`DraftPlan.measures_costs`.
-        draft_cache: the draft model's :class:`~mlx_stream.draft_model.DraftCache`
+        draft_cache: the draft model's :class:`~mlx_stream.drafters.draft_model.DraftCache`
             (``"draft"``; :meth:`mlx_stream.generate.PromptCache.draft_cache` keeps one
             per prompt cache); None: a fresh one.
 
@@ -408,44 +411,67 @@ def build_drafter(model, plan: DraftPlan, costs=None, draft_cache=None) -> Draft
         raise TypeError(f"plan must be a DraftPlan (mlx_stream.plan_drafting(model, ...)), got {kind(plan)}")
     if costs is not None and not isinstance(costs, StepCosts):
         raise TypeError(f"costs must be StepCosts (mlx_stream.cost.device_costs) or None, got {kind(costs)}")
-    if plan.kind == "budget":
-        trees = [t for t, _ in head_values(plan.candidates)]
-        if costs is None:
-            costs = device_costs(model, trees)
-        base = HeadsDrafter(model, plan.tree) if plan.tree is not None else NoDrafter()
-        return BudgetDrafter(
-            model,
-            costs,
-            base,
-            num_draft=max(plan.prompt_lookup, 1),
-            store=plan.store,
-            chains=plan.prompt_lookup > 0,
-            candidates=plan.candidates,
-        )
-    if plan.kind == "none":
-        drafter = NoDrafter()
-    elif plan.kind == "draft":
-        from .draft_model import DraftCache, DraftModelDrafter
-
-        cache = draft_cache if draft_cache is not None else DraftCache(plan.draft)
-        drafter = DraftModelDrafter(
-            cache, plan.budget, plan.width, plan.depth, plan.p_min, expand=plan.expand
-        )
-    elif plan.kind == "dynamic":
-        budget = plan.budget
-        if budget == 0:  # the node budget whose best static tree pays most here (EAGLE-2's N from c(N))
-            budget = _best_tree(model, plan, costs).size
-        drafter = (
-            DynamicTreeDrafter(model, budget, plan.width, min(plan.depth, budget - 1) or None)
-            if budget >= 2
-            else EagleDrafter(model, no_drafts())
-        )
-    else:
-        tree = plan.tree if plan.kind == "static" else _best_tree(model, plan, costs)
-        drafter = (EagleDrafter if model.heads.autoregressive else HeadsDrafter)(model, tree)
+    drafter = _BUILDERS[plan.kind](model, plan, costs, draft_cache)
+    if plan.kind == "budget":  # (it grafts prompt lookup's and the datastore's chains itself)
+        return drafter
     if plan.prompt_lookup:
         return LookupDrafter(drafter, plan.prompt_lookup, store=plan.store)
     return drafter
+
+
+# One builder per DraftPlan kind: (model, plan, costs, draft_cache) -> the drafter (before
+# prompt lookup joins it). A new drafter is a module in mlx_stream/drafters/, a kind in
+# plan_drafting and its line here.
+
+
+def _no_drafter(model, plan, costs, draft_cache) -> Drafter:
+    return NoDrafter()
+
+
+def _heads_drafter(model, plan, costs, draft_cache) -> Drafter:
+    tree = plan.tree if plan.kind == "static" else _best_tree(model, plan, costs)
+    return (EagleDrafter if model.heads.autoregressive else HeadsDrafter)(model, tree)
+
+
+def _dynamic_drafter(model, plan, costs, draft_cache) -> Drafter:
+    budget = plan.budget
+    if budget == 0:  # the node budget whose best static tree pays most here (EAGLE-2's N from c(N))
+        budget = _best_tree(model, plan, costs).size
+    if budget < 2:
+        return EagleDrafter(model, no_drafts())
+    return DynamicTreeDrafter(model, budget, plan.width, min(plan.depth, budget - 1) or None)
+
+
+def _draft_model_drafter(model, plan, costs, draft_cache) -> Drafter:
+    from .drafters.draft_model import DraftCache, DraftModelDrafter
+
+    cache = draft_cache if draft_cache is not None else DraftCache(plan.draft)
+    return DraftModelDrafter(cache, plan.budget, plan.width, plan.depth, plan.p_min, expand=plan.expand)
+
+
+def _budget_drafter(model, plan, costs, draft_cache) -> Drafter:
+    if costs is None:
+        costs = device_costs(model, [t for t, _ in head_values(plan.candidates)])
+    base = HeadsDrafter(model, plan.tree) if plan.tree is not None else NoDrafter()
+    return BudgetDrafter(
+        model,
+        costs,
+        base,
+        num_draft=max(plan.prompt_lookup, 1),
+        store=plan.store,
+        chains=plan.prompt_lookup > 0,
+        candidates=plan.candidates,
+    )
+
+
+_BUILDERS = {
+    "none": _no_drafter,
+    "static": _heads_drafter,
+    "auto": _heads_drafter,
+    "dynamic": _dynamic_drafter,
+    "draft": _draft_model_drafter,
+    "budget": _budget_drafter,
+}
 
 
 def _best_tree(model, plan: DraftPlan, costs) -> Tree:
@@ -516,7 +542,7 @@ def make_drafter(
     Args:
         model: a :class:`~mlx_stream.model.SpeculativeModel`.
         tree: a tree spec (:func:`resolve_tree`), ``"dynamic:N[,W[,D]]"`` for EAGLE-2's
-            dynamic tree (:class:`~mlx_stream.drafters.DynamicTreeDrafter`, eagle heads
+            dynamic tree (:class:`~mlx_stream.drafters.eagle.DynamicTreeDrafter`, eagle heads
             only; ``"dynamic:auto[,W]"``: N is the size of the heads' candidate tree with
             the best tau / cost on this device, :func:`auto_tree`,
             and a plain step when no tree pays), or ``"budget"``: each step's tree
@@ -525,7 +551,7 @@ def make_drafter(
             (:class:`~mlx_stream.budget.BudgetDrafter`; the costs are measured once
             per device and cached); ignored without heads, except ``"budget"``.
         prompt_lookup: the most tokens copied from the context per step
-            (:class:`~mlx_stream.drafters.LookupDrafter`); 0 turns it off; ``None``:
+            (:class:`~mlx_stream.drafters.lookup.LookupDrafter`); 0 turns it off; ``None``:
             :data:`PROMPT_LOOKUP` with heads, 0 without.
         store: a :class:`~mlx_stream.datastore.Datastore` (or
             :class:`~mlx_stream.datastore.DraftStore`) whose chains stand in where the
@@ -535,19 +561,20 @@ def make_drafter(
         sampled: the drafts serve sampled decoding (temperature > 0): ``tree=None`` is
             then the heads' ``sampled_tree`` where they store one
             (:class:`~mlx_stream.heads.HeadConfig`).
-        draft_model: a :class:`~mlx_stream.draft_model.DraftModel` that drafts instead
-            of the heads: its own tree (EAGLE-2's expansion, :data:`~mlx_stream.draft_model.DRAFT_TREE`
-            by default; ``tree="dynamic:N[,W[,D]]"`` sets the node budget, width and depth), or a
-            chain of ``num_draft_tokens``.
+        draft_model: a :class:`~mlx_stream.drafters.draft_model.DraftModel` that drafts instead
+            of the heads: its own tree (EAGLE-2's expansion,
+            :data:`~mlx_stream.drafters.draft_model.DRAFT_TREE` by default;
+            ``tree="dynamic:N[,W[,D]]"`` sets the node budget, width and depth), or a chain of
+            ``num_draft_tokens``.
         num_draft_tokens: the draft model drafts a chain of this many tokens (mlx-lm's
-            name), as :class:`~mlx_stream.draft_model.DraftModelDrafter` with width 1.
+            name), as :class:`~mlx_stream.drafters.draft_model.DraftModelDrafter` with width 1.
         draft_cache: the draft model's cache to draft from (kept across calls by a
             :class:`~mlx_stream.generate.PromptCache`); None: a fresh one.
 
     Raises:
         ValueError: a bad tree spec or ``prompt_lookup``, a dynamic tree without eagle
             heads, or ``num_draft_tokens`` without a draft model or below 1.
-        TypeError: a ``draft_model`` that is not a :class:`~mlx_stream.draft_model.DraftModel`.
+        TypeError: a ``draft_model`` that is not a :class:`~mlx_stream.drafters.draft_model.DraftModel`.
     """
     plan = plan_drafting(model, tree, prompt_lookup, store, sampled, draft_model, num_draft_tokens)
     return build_drafter(model, plan, draft_cache=draft_cache)

@@ -30,17 +30,8 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import TreeKVCache, attention_mask, cache_offset, evict, keep_path, quantize_cache
-from .drafters import (
-    AcceptanceObserver,
-    StepTimer,
-    draft_cache_of,
-    drafts_own_tree,
-    is_static_step,
-    propose,
-    queued_drafter,
-    queued_tree,
-    queues_steps,
-)
+from .drafters.base import AcceptanceObserver, StepTimer, propose, proposes
+from .drafters.lookup import LookupDrafter
 from .sampling import DraftNoise, GumbelNoise, LogitsProcessor, SamplingParams, log_softmax, process_logits
 from .tree import Tree, no_drafts
 from .verify import accepted_node, verify_greedy
@@ -352,6 +343,82 @@ def prefill(model, cache, ids: list[int], drafter, step_size: int, kv: KVSetting
         if draft.fed >= 16:  # (a few tokens' time is a forward's fixed cost, not a rate)
             draft.catch_up = (time.perf_counter() - tic) / draft.fed
     return logits, hidden, mid, reused, mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+
+
+# Which steps the pipeline may queue before the step before is read back, and with what
+# tree (asked by StepPipeline and by the greedy replay, train/replay.py, alike).
+
+
+def draft_cache_of(drafter):
+    """The :class:`~mlx_stream.drafters.draft_model.DraftCache` of a draft-model drafter (a
+    :class:`LookupDrafter` may wrap it), or None."""
+    return getattr(getattr(drafter, "base", drafter), "draft_cache", None)
+
+
+def queues_steps(drafter) -> bool:
+    """Whether the decode loop may queue ``drafter``'s steps before the step before is
+    read back: plain steps, and steps whose tree is its static one (not for heads that
+    read the KV cache or every verified position, nor for trees that change per step,
+    except a :class:`LookupDrafter`'s when no chain joins). Beside a draft model, whose
+    own steps wait for the host, the plain steps adaptive speculation takes instead are
+    queued like any others: they do not touch its cache, which catches up with the tokens
+    when it next drafts."""
+    if draft_cache_of(drafter) is not None:
+        return True
+    return (
+        getattr(drafter, "capture", None) is None
+        and not getattr(drafter, "reads_path", False)
+        and (not proposes(drafter) or isinstance(drafter, LookupDrafter))
+    )
+
+
+def queued_drafter(drafter):
+    """The static drafter that drafts a step the decode loop queues before its root token
+    reaches the host (:meth:`HeadsDrafter.draft_queued`): ``drafter`` itself, or the base
+    of a :class:`LookupDrafter`; None when it has none (dynamic trees, heads that read the
+    KV cache or every verified position)."""
+    base = drafter.base if isinstance(drafter, LookupDrafter) else drafter
+    ok = hasattr(base, "draft_queued") and getattr(base, "capture", None) is None
+    return base if ok and not getattr(base, "reads_path", False) else None
+
+
+def drafts_own_tree(drafter) -> bool:
+    """Whether the step just proposed by ``drafter`` is its base's own tree, of a drafter
+    whose tree changes step by step (a dynamic tree, a draft model's), with no
+    prompt-lookup chain joined: a step adaptive speculation may time as drafting's."""
+    if isinstance(drafter, LookupDrafter):
+        if drafter._pending is not None:
+            return False
+        drafter = drafter.base
+    return getattr(drafter, "dynamic_tree", False)
+
+
+def is_static_step(tree: Tree, queued, depth: int) -> bool:
+    """Whether a step proposed at most ``depth`` deep drafts nothing or exactly
+    ``queued``'s static tree (no prompt-lookup chain joined): a step the loop may queue
+    the next one behind (:func:`queued_tree`)."""
+    return tree.size == 1 or (queued is not None and tree == queued.tree.truncate(depth))
+
+
+def queued_tree(drafter, queued, tokens: Sequence[int], spare: int, drafts_on: bool) -> Tree | None:
+    """The tree of the step after the one in flight, when the loop may queue it before
+    reading the one in flight back; None when it must wait for the host.
+
+    The step in flight is rooted at ``tokens[-1]`` and leaves the next step at least
+    ``spare`` tokens of depth (< 0: no room for a next step that it knows of). The next
+    step drafts ``queued``'s static tree truncated to ``spare`` (plain when
+    ``drafts_on`` is False, ``spare < 1`` or the drafter drafts nothing); it waits when a
+    prompt-lookup chain may join it (:meth:`LookupDrafter.may_chain_after`, which counts
+    the gate's skips) or when it should draft and ``queued`` is None
+    (:func:`queued_drafter`). Shared by :func:`mlx_stream.stream_generate` and the greedy
+    replay (``train/replay.py``), so that the two take the same steps."""
+    if spare < 0:
+        return None
+    if isinstance(drafter, LookupDrafter) and drafter.may_chain_after(tokens):
+        return None
+    if not (drafts_on and spare >= 1 and drafter.tree.size > 1):
+        return no_drafts()
+    return None if queued is None else queued.tree.truncate(spare)
 
 
 class StepPipeline:

@@ -29,11 +29,17 @@ def make_tiny_model_dir(
     hidden: int = 64,
     heads: int = 4,
     layers: int = 2,
+    tied: bool = True,
+    head_scale: float = 1.0,
 ) -> Path:
     """Write an mlx-lm llama folder with random weights and a byte-level BPE tokenizer.
 
     ``embed_scale`` is the embeddings' standard deviation: 1.0 gives near-deterministic
-    next-token distributions, ~0.05 spreads them over a handful of tokens."""
+    next-token distributions, ~0.05 spreads them over a handful of tokens. Tied
+    embeddings make the greedy text one token repeated (each token's own embedding
+    scores highest after it); ``tied=False`` gives an output head of its own (standard
+    deviation ``head_scale``: 1.0 peaked, ~0.15 spread), whose greedy text wanders over
+    many tokens."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -75,7 +81,7 @@ def make_tiny_model_dir(
         "vocab_size": n_vocab,
         "max_position_embeddings": context,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": tied,
         "eos_token_id": 0,
     }
     (path / "config.json").write_text(json.dumps(cfg))
@@ -83,6 +89,8 @@ def make_tiny_model_dir(
     model = llama.Model(llama.ModelArgs.from_dict(cfg))
     # larger-than-default embeddings so the random model has peaked, varied predictions
     model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * embed_scale
+    if not tied:
+        model.lm_head.weight = mx.random.normal(model.lm_head.weight.shape) * head_scale
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return path
 
@@ -150,6 +158,7 @@ SLOW_S = {
     "test_kv.py::test_real_model_max_kv_size_equals_mlx_lm[64]": 80,
     "test_draft_model.py::test_real_model_with_a_3_bit_copy_as_draft_is_lossless_greedy_and_seeded": 90,
     "test_draft_model.py::test_sampling_with_a_draft_model_follows_the_plain_distribution": 60,
+    "test_eagle3.py::test_sampling_with_a_published_eagle3_follows_the_plain_distribution": 80,
     "test_distributed.py::test_train_under_mlx_launch_equals_one_rank_and_resumes_after_a_rank_is_killed": 50,
     "test_server.py::test_real_model_streamed_greedy_text_equals_generate": 60,
     "test_kv.py::test_real_model_kv_bits_equals_mlx_lm": 50,

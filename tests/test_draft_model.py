@@ -32,7 +32,12 @@ def _run(target, tok, **kw):
 
 @pytest.mark.parametrize("width,budget,depth,expand", [(1, 4, 3, 1), (2, 8, 4, 2), (3, 10, 4, 1)])
 def test_draft_model_output_equals_plain(pair, width, budget, depth, expand):
-    from mlx_stream.draft_model import DraftCache, DraftModel, DraftModelDrafter, check_draft_tokenizer
+    from mlx_stream.drafters.draft_model import (
+        DraftCache,
+        DraftModel,
+        DraftModelDrafter,
+        check_draft_tokenizer,
+    )
 
     target, tok, other, dtok = pair
     vocab = check_draft_tokenizer(tok, dtok, target.args.vocab_size, other.args.vocab_size)
@@ -60,7 +65,7 @@ def test_draft_model_output_equals_plain(pair, width, budget, depth, expand):
 def test_each_depth_expands_as_many_nodes_as_the_device_feeds_cheaply(pair):
     """expand=1: one node fed per depth (a chain's draft cost), its siblings verified too;
     expand=width: EAGLE-2's top-k expansion. expand_for reads the calibrated node costs."""
-    from mlx_stream.draft_model import EXPAND_COST, DraftCache, DraftModel, DraftModelDrafter
+    from mlx_stream.drafters.draft_model import EXPAND_COST, DraftCache, DraftModel, DraftModelDrafter
 
     target, tok, _, _ = pair
     ids = tok.encode("The quick brown")
@@ -92,7 +97,7 @@ def test_each_depth_expands_as_many_nodes_as_the_device_feeds_cheaply(pair):
 def test_p_min_stops_drafting_where_the_draft_is_unsure(pair):
     # the target drafting for itself on a model whose top token has ~0.5 of the mass: every
     # draft is accepted, so tau counts the tokens drafted per step
-    from mlx_stream.draft_model import P_MIN, DraftCache, DraftModel, DraftModelDrafter
+    from mlx_stream.drafters.draft_model import P_MIN, DraftCache, DraftModel, DraftModelDrafter
 
     target, tok, _, _ = pair
     plain, _ = _run(target, tok)
@@ -108,7 +113,7 @@ def test_p_min_stops_drafting_where_the_draft_is_unsure(pair):
 
 
 def test_draft_cache_matches_a_fresh_prefill(pair):
-    from mlx_stream.draft_model import DraftCache, DraftModel
+    from mlx_stream.drafters.draft_model import DraftCache, DraftModel
 
     target, tok, other, _ = pair
     dm = DraftModel(other.backbone, target.args.vocab_size)
@@ -148,7 +153,7 @@ def test_draft_cache_keeps_the_accepted_path_of_its_speculative_entries(pair):
     """After a tree step the draft's entries on the accepted path are kept, not fed again
     (as mlx-lm trims its draft cache), and its next logits still equal a fresh prefill's,
     whichever branch, depth or divergence the target accepted."""
-    from mlx_stream.draft_model import DraftCache, DraftModel
+    from mlx_stream.drafters.draft_model import DraftCache, DraftModel
 
     target, tok, other, _ = pair
     dm = DraftModel(other.backbone, target.args.vocab_size)
@@ -180,7 +185,7 @@ def test_draft_cache_keeps_the_accepted_path_of_its_speculative_entries(pair):
 
 def test_a_draft_with_another_tokenizer_is_refused(pair, tmp_path):
     from mlx_stream import load
-    from mlx_stream.draft_model import check_draft_tokenizer
+    from mlx_stream.drafters.draft_model import check_draft_tokenizer
 
     target, tok, _, _ = pair
     small, stok = load(str(make_tiny_model_dir(tmp_path / "s", vocab=300)), heads=None, dtype="float32")
@@ -192,8 +197,8 @@ def test_stream_generate_drafts_with_a_draft_model_and_its_cache_follows_a_chat(
     """draft_model= in stream_generate and ChatSession: lossless (tree, chain, prompt lookup
     joined), the draft's cache kept in the prompt cache across turns, bad arguments refused."""
     from mlx_stream import ChatSession, PromptCache, load_draft, stream_generate
-    from mlx_stream.draft_model import DraftModelDrafter
     from mlx_stream.drafters import LookupDrafter
+    from mlx_stream.drafters.draft_model import DraftModelDrafter
 
     target, tok, other, dtok = pair
     draft = load_draft((other.backbone, dtok), target, tok, calibrate=False)
@@ -251,7 +256,7 @@ def test_sampling_with_a_draft_model_follows_the_plain_distribution(spread_dir):
     from test_sampling import TOKENS, chi_square, exact_bins, sample_outcomes
 
     from mlx_stream import load, load_draft
-    from mlx_stream.draft_model import DraftCache, DraftModelDrafter
+    from mlx_stream.drafters.draft_model import DraftCache, DraftModelDrafter
     from mlx_stream.sampling import SamplingParams
 
     model, tok = load(str(spread_dir), heads=None, dtype="float32")

@@ -117,7 +117,7 @@ def pair(tmp_path_factory):
 
 
 def test_a_draft_models_chain_is_its_greedy_continuation(pair):
-    from mlx_stream.draft_model import DraftCache, DraftModelDrafter
+    from mlx_stream.drafters.draft_model import DraftCache, DraftModelDrafter
 
     target, tok, draft = pair
     ids = tok.encode("The quick brown fox")

@@ -6,8 +6,8 @@ from helpers import SelfDrafter, assert_greedy_identical, mlx_lm_greedy, ours
 
 from mlx_stream import stream_generate
 from mlx_stream.drafters import LookupDrafter, NoDrafter, propose
+from mlx_stream.drafters.lookup import append_chain, copy_from, lookup_length, match_suffix, prompt_lookup
 from mlx_stream.heads import new_heads
-from mlx_stream.lookup import append_chain, copy_from, lookup_length, match_suffix, prompt_lookup
 from mlx_stream.tree import build_tree, no_drafts, sparse
 from mlx_stream.verify import verify_greedy
 

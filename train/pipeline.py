@@ -315,6 +315,11 @@ def check_init_heads(config, cfg: TrainConfig, architecture: str, where: str) ->
         ValueError: naming the first setting that differs (architecture, number of
             heads, layers per head).
     """
+    if getattr(config, "eagle3", None):
+        raise ValueError(
+            f"{where}: a published EAGLE-3 layer (saved in our format); continuing its training "
+            "is not supported yet"
+        )
     for name, have, want in (
         ("architecture", config.architecture, architecture),
         ("num_heads", config.num_heads, cfg.num_heads),
@@ -448,6 +453,13 @@ def run(
     fp = backbone_fingerprint(model.backbone, tokenizer)
     init = None
     if init_heads is not None:
+        from mlx_stream.drafters.eagle3 import is_eagle3
+
+        if is_eagle3(init_heads):
+            raise ValueError(
+                f"{init_heads}: a published EAGLE-3 checkpoint; continuing its training is not "
+                "supported yet: train an EAGLE-style layer of our own with --architecture eagle"
+            )
         init = load_heads(init_heads, fingerprint=fp)
         check_init_heads(init.config, cfg, architecture, str(init_heads))
     feats, splits = {}, None

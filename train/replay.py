@@ -27,16 +27,10 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_stream.drafters import (
-    AcceptanceObserver,
-    is_static_step,
-    propose,
-    queued_drafter,
-    queued_tree,
-    queues_steps,
-)
+from mlx_stream.drafters.base import AcceptanceObserver, propose
 from mlx_stream.prompts import prompt_ids
 from mlx_stream.speculation import dynamic_spec, is_budget, make_drafter, resolve_tree
+from mlx_stream.steps import is_static_step, queued_drafter, queued_tree, queues_steps
 from mlx_stream.tree import Tree
 
 from .generation import generate_batch

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .drafters import _topk, reranked_tree
-from .tree import Tree, chain, no_drafts
+from ..tree import Tree, chain, no_drafts
+from .base import topk
+from .eagle import reranked_tree
 
 # where drafting stops (llama.cpp's --draft-p-min, here on the draft's cumulative path
 # probability, as EAGLE-2 ranks nodes): a depth is drafted only while its best candidate is
@@ -126,7 +127,7 @@ class DraftModel:
     """
 
     def __init__(self, backbone, vocab: int, name: str = "draft"):
-        from .models import family
+        from ..models import family
 
         self.backbone, self.family, self.vocab, self.name = backbone, family(backbone), vocab, name
         if getattr(self.family, "trees", None) is not None:
@@ -180,7 +181,7 @@ class DraftCache:
     """
 
     def __init__(self, draft: DraftModel):
-        from .cache import make_tree_cache
+        from ..cache import make_tree_cache
 
         self.draft = draft
         self.layers = make_tree_cache(draft.backbone)
@@ -194,7 +195,7 @@ class DraftCache:
         """Make the cache hold exactly ``tokens`` (reusing its common prefix with them and
         the speculative entries on their path, at least one token fed) and return the
         ``(vocab,)`` logits after the last, lazy."""
-        from .cache import can_rewind, keep_path, make_tree_cache, trim_cache
+        from ..cache import can_rewind, keep_path, make_tree_cache, trim_cache
 
         d = self.draft
         n, limit = 0, min(len(self.tokens), len(tokens) - 1)
@@ -258,7 +259,7 @@ class DraftCache:
 
     def rewind(self) -> None:
         """Drop the speculative entries (the cache holds :attr:`tokens` again)."""
-        from .cache import trim_cache
+        from ..cache import trim_cache
 
         trim_cache(self.layers, len(self.tokens))
         self._pending = []
@@ -372,14 +373,14 @@ class DraftModelDrafter:
             return self._chain(tokens, depth, noise)
         k, held = self.width, len(tokens)
         lp = self._log_probs(self.draft.sync(tokens)[None], 1, noise)[0]
-        top = _topk(lp, k)
+        top = topk(lp, k)
         toks, vals = [top], [lp[top]]
         pars, rks = [mx.full((k,), -1, dtype=mx.int32)], [mx.arange(k, dtype=mx.int32)]
         level_entry = mx.full((k,), -1, dtype=mx.int32)  # the speculative entry that scored each candidate
         level0, anc = 0, mx.zeros((0, 0), dtype=mx.bool_)
         floor = np.log(self.p_min) if self.p_min > 0 else None
         for d in range(2, depth + 1):
-            sel = _topk(vals[-1], min(self.expand, vals[-1].shape[0]))  # the depth's best, expanded
+            sel = topk(vals[-1], min(self.expand, vals[-1].shape[0]))  # the depth's best, expanded
             if floor is not None and vals[-1][sel[0]].item() < floor:
                 break  # the draft is unsure: further depths would rarely be accepted
             n, E = sel.shape[0], anc.shape[0]
@@ -395,7 +396,7 @@ class DraftModelDrafter:
             pos = mx.full((n,), held + d - 2, dtype=mx.int32)
             fed = self.draft.forward(toks[-1][sel], pos, mask, level_entry[sel])
             lp = self._log_probs(fed, d, noise)  # (n, V)
-            top = _topk(lp, k)  # (n, k)
+            top = topk(lp, k)  # (n, k)
             toks.append(top.reshape(-1))
             vals.append((vals[-1][sel][:, None] + mx.take_along_axis(lp, top, axis=-1)).reshape(-1))
             pars.append(mx.repeat(level0 + sel.astype(mx.int32), k))

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ARCHITECTURES = ("residual", "hydra", "msa", "eagle")
+ARCHITECTURES = ("residual", "hydra", "msa", "eagle", "dflash")
 
 
 @dataclass
@@ -62,6 +62,12 @@ class HeadConfig:
             (:data:`~mlx_stream.heads.eagle3.EAGLE3_OPTIONS`); ``draft_vocab_size`` is
             then its output head's rows (0: the full vocabulary) and ``fuse_layers`` the
             target layers whose inputs it reads.
+        dflash: "dflash" only (a published DFlash block drafter,
+            :class:`~mlx_stream.heads.dflash.DFlashDraft`, read by
+            :func:`mlx_stream.drafters.dflash.load_dflash`): its options
+            (:data:`~mlx_stream.heads.dflash.DFLASH_OPTIONS`); ``num_heads`` is then
+            ``block_size - 1`` and ``fuse_layers`` the target layers whose inputs its context
+            entries read.
     """
 
     num_heads: int
@@ -81,6 +87,7 @@ class HeadConfig:
     fuse_layers: list = field(default_factory=list)
     sampled_tree: str = ""
     eagle3: dict = field(default_factory=dict)
+    dflash: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.num_layers < 1:
@@ -96,8 +103,12 @@ class HeadConfig:
             raise ValueError("eagle heads need layer_spec (the draft layer's model_type and args)")
         if self.eagle3 and (self.architecture != "eagle" or not self.fuse_layers):
             raise ValueError("eagle3 applies to eagle heads that fuse target layers (fuse_layers)")
-        if self.fuse_layers and self.architecture != "eagle":
-            raise ValueError("fuse_layers applies to eagle heads only")
+        if self.architecture == "dflash" and not (self.dflash and self.fuse_layers and self.layer_spec):
+            raise ValueError(
+                "dflash heads need dflash options, fuse_layers and layer_spec (a published DFlash)"
+            )
+        if self.fuse_layers and self.architecture not in ("eagle", "dflash"):
+            raise ValueError("fuse_layers applies to eagle (and dflash) heads only")
         if self.stream_copies and (self.architecture != "msa" or not self.layer_spec):
             raise ValueError(
                 "stream_copies applies to msa heads and needs layer_spec "

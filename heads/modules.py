@@ -111,7 +111,12 @@ class StreamHeads(nn.Module):
                 self.layers = [build_layer(config.layer_spec) for _ in range(config.stream_layers)]
             else:
                 self.adapters = [Adapter(H, config.adapter_size) for _ in range(config.stream_layers)]
-        if config.architecture == "eagle" and config.eagle3:  # a published EAGLE-3 layer
+        if config.architecture == "dflash":  # a published DFlash block drafter
+            from .dflash import DFlashDraft
+
+            self.dflash = DFlashDraft(H, config.layer_spec, len(config.fuse_layers), config.dflash)
+            self.heads = []
+        elif config.architecture == "eagle" and config.eagle3:  # a published EAGLE-3 layer
             from .eagle3 import Eagle3Draft
 
             rows = config.draft_vocab_size or config.vocab_size

@@ -44,7 +44,7 @@ _MODEL = typer.Option(
 _HEADS = typer.Option(
     DEFAULT_HEADS,
     "--heads",
-    help=f"Heads folder, or a published EAGLE-3 checkpoint folder; '{DEFAULT_HEADS}' = the heads "
+    help=f"Heads folder, or a published EAGLE-3 or DFlash folder; '{DEFAULT_HEADS}' = the heads "
     f"shipped for the model if any, '{NO_HEADS}' = plain decoding.",
 )
 _TREE = typer.Option(

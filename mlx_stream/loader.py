@@ -277,9 +277,10 @@ def load(
         heads: ``"default"`` (:data:`DEFAULT_HEADS`, the default): the heads shipped
             with the package for this model (also under another name: a converted copy
             with the same weights, :func:`shipped_heads_for`), or none when none ship
-            (:func:`resolve_heads`); a heads folder; a published EAGLE-3 checkpoint
-            folder (SafeAILab/SpecForge or ``speculators`` layout, checked against the
-            target: :func:`mlx_stream.drafters.eagle3.load_eagle3`); a
+            (:func:`resolve_heads`); a heads folder; a published EAGLE-3 or DFlash
+            checkpoint folder (each project's layout, checked against the target:
+            :func:`mlx_stream.drafters.eagle3.load_eagle3`,
+            :func:`mlx_stream.drafters.dflash.load_dflash`); a
             :class:`~mlx_stream.heads.StreamHeads` object; or ``None`` / ``"none"``:
             plain decoding through the same loop.
         dtype: ``"auto"`` (float32 on CPU; keep quantised weights on a GPU),
@@ -306,6 +307,7 @@ def load(
             draft model whose tokenizer differs from the target's (:func:`load_draft`).
     """
     from .datastore import STORE_FILE, AnswerStore, DraftStore, answers_path, load_store
+    from .drafters.dflash import is_dflash, load_dflash
     from .drafters.eagle3 import is_eagle3, load_eagle3
     from .heads import StreamHeads, backbone_fingerprint, load_heads
 
@@ -347,6 +349,8 @@ def load(
             shipped = load_store(Path(heads) / STORE_FILE, fp["tokenizer"])
         if is_eagle3(heads):  # a published EAGLE-3 drafter, checked against this target
             heads = load_eagle3(heads, backbone, fp)
+        elif is_dflash(heads):  # a published DFlash block drafter, likewise
+            heads = load_dflash(heads, backbone, fp)
         else:
             heads = load_heads(heads, fp)
     elif isinstance(heads, StreamHeads):

@@ -30,6 +30,7 @@ from .checks import check_p_min, kind, require_int
 from .cost import StepCosts, device_costs
 from .defaults import AUTO_TREE, BUDGET_TREE, PROMPT_LOOKUP
 from .drafters.base import Drafter, NoDrafter
+from .drafters.dflash import DFlashDrafter
 from .drafters.eagle import DynamicTreeDrafter, EagleDrafter
 from .drafters.lookup import LookupDrafter
 from .drafters.stream_heads import HeadsDrafter
@@ -287,6 +288,11 @@ def plan_drafting(
         return _draft_model_plan(draft_model, tree, num_draft_tokens, common)
     if num_draft_tokens is not None:
         raise ValueError("num_draft_tokens sets a draft model's chain: pass draft_model too")
+    if heads is not None and heads.config.architecture == "dflash" and (is_budget(tree) or is_auto(tree)):
+        raise ValueError(
+            f"{tree!r}: a DFlash drafter fills a static tree from one block forward: pass a chain "
+            "('chain:K') or rank paths such as '0;1;0,0' (default: a chain of block_size - 1)"
+        )
     if is_budget(tree):
         if heads is not None and heads.autoregressive:
             raise ValueError(
@@ -430,6 +436,8 @@ def _no_drafter(model, plan, costs, draft_cache) -> Drafter:
 
 def _heads_drafter(model, plan, costs, draft_cache) -> Drafter:
     tree = plan.tree if plan.kind == "static" else _best_tree(model, plan, costs)
+    if model.heads.config.architecture == "dflash":
+        return DFlashDrafter(model, tree)
     return (EagleDrafter if model.heads.autoregressive else HeadsDrafter)(model, tree)
 
 

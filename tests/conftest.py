@@ -159,6 +159,7 @@ SLOW_S = {
     "test_draft_model.py::test_real_model_with_a_3_bit_copy_as_draft_is_lossless_greedy_and_seeded": 90,
     "test_draft_model.py::test_sampling_with_a_draft_model_follows_the_plain_distribution": 60,
     "test_eagle3.py::test_sampling_with_a_published_eagle3_follows_the_plain_distribution": 80,
+    "test_dflash.py::test_sampling_with_a_published_dflash_follows_the_plain_distribution": 200,
     "test_distributed.py::test_train_under_mlx_launch_equals_one_rank_and_resumes_after_a_rank_is_killed": 50,
     "test_server.py::test_real_model_streamed_greedy_text_equals_generate": 60,
     "test_kv.py::test_real_model_kv_bits_equals_mlx_lm": 50,

@@ -315,10 +315,10 @@ def check_init_heads(config, cfg: TrainConfig, architecture: str, where: str) ->
         ValueError: naming the first setting that differs (architecture, number of
             heads, layers per head).
     """
-    if getattr(config, "eagle3", None):
+    if getattr(config, "eagle3", None) or config.architecture == "dflash":
         raise ValueError(
-            f"{where}: a published EAGLE-3 layer (saved in our format); continuing its training "
-            "is not supported yet"
+            f"{where}: a published drafter (EAGLE-3 or DFlash, saved in our format); continuing "
+            "its training is not supported yet"
         )
     for name, have, want in (
         ("architecture", config.architecture, architecture),
@@ -453,11 +453,13 @@ def run(
     fp = backbone_fingerprint(model.backbone, tokenizer)
     init = None
     if init_heads is not None:
+        from mlx_stream.drafters.dflash import is_dflash
         from mlx_stream.drafters.eagle3 import is_eagle3
 
-        if is_eagle3(init_heads):
+        if is_eagle3(init_heads) or is_dflash(init_heads):
+            kind = "EAGLE-3" if is_eagle3(init_heads) else "DFlash"
             raise ValueError(
-                f"{init_heads}: a published EAGLE-3 checkpoint; continuing its training is not "
+                f"{init_heads}: a published {kind} checkpoint; continuing its training is not "
                 "supported yet: train an EAGLE-style layer of our own with --architecture eagle"
             )
         init = load_heads(init_heads, fingerprint=fp)

@@ -10,6 +10,8 @@ for drafts that follow the sampler's noise, ``draft_queued`` for steps queued ah
 - :mod:`.stream_heads`: the stream heads' top-k (Speculative Streaming; Medusa, Hydra,
   multi-stream attention heads);
 - :mod:`.eagle`: an EAGLE-style draft layer, static or EAGLE-2's dynamic tree;
+- :mod:`.eagle3`: published EAGLE-3 checkpoints read as such a layer;
+- :mod:`.dflash`: published DFlash block drafters, a static tree from one block forward;
 - :mod:`.draft_model`: a separate draft model (Leviathan et al. 2023; Chen et al. 2023);
 - :mod:`.lookup`: prompt lookup and the datastore's chains beside any drafter;
 - :mod:`.oracle`: the target's own continuation (tests, the loop's ceiling).
@@ -46,6 +48,7 @@ _NAMES = {
     "DraftModelDrafter": ".draft_model",
     "LookupDrafter": ".lookup",
     "OracleDrafter": ".oracle",
+    "DFlashDrafter": ".dflash",
 }
 
 __all__ = sorted(_NAMES)

@@ -48,6 +48,8 @@ class HeadsDrafter:
         check_depth(tree, 1 << 10)
         if model.heads is None:
             raise ValueError("HeadsDrafter needs a model with stream heads")
+        if model.heads.config.architecture == "dflash":
+            raise ValueError("DFlash heads draft a block at a time: use DFlashDrafter")
         check_depth(tree, model.heads.num_heads)
         self.model = model
         self.tree = tree

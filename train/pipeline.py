@@ -171,6 +171,15 @@ def distill_part(
         writer.close()
 
 
+def _older_stamp(parts_dir: Path) -> dict | None:
+    # an interrupted run of a version that stamped only the rows: its parts, finished or not
+    old = parts_dir / "rows.sha256"
+    if not old.is_file():
+        return None
+    names = {d.name.removesuffix(".partial") for d in parts_dir.iterdir() if d.is_dir()}
+    return {"rows": old.read_text(), "parts": len([n for n in names if n.isdigit()])}
+
+
 def build_split(
     model,
     tokenizer,
@@ -205,21 +214,25 @@ def build_split(
     needs = [r["prompt"] != "" and (distill or r["completion"] is None) for r in rows]
     todo = [i for i in range(len(rows)) if needs[i]]
     parts_dir = out / "features" / f"{name}.parts"
-    # the parts index into ``rows``: resuming them is only sound for the very same rows
+    # the parts index into ``rows`` and each takes every count-th of them: resuming them is only
+    # sound for the very same rows and count, so both are stamped before any part is begun (a
+    # listing of the parts would also see a kill's ``<w>.partial`` and miss a part not yet begun)
     digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
-    stamp = parts_dir / "rows.sha256"
-    if stamp.is_file() and stamp.read_text() != digest:
+    stamp = parts_dir / "parts.json"
+    prior = json.loads(stamp.read_text()) if stamp.is_file() else _older_stamp(parts_dir)
+    if prior is not None and prior["rows"] != digest:
         raise ValueError(
             f"{parts_dir}: an interrupted run on a different dataset (other --data, --synthesize or "
             f"--seed); rerun it with the same options, or delete {parts_dir} to start this one"
         )
-    started = sorted(int(d.name) for d in parts_dir.iterdir() if d.is_dir()) if parts_dir.is_dir() else []
+    # the shares must stay those of the interrupted run (rank 0's folder says which)
+    count = ranks.broadcast_object((prior or {}).get("parts") or min(ranks.size, len(todo)))
+    started = prior is not None
     ranks.barrier()  # every rank has read the stamp before it is written
     if writer:
         parts_dir.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(digest)
-    # the shares must stay those of the interrupted run (rank 0's folder says which)
-    count = ranks.broadcast_object(len(started) or min(ranks.size, len(todo)))
+        write_json({"rows": digest, "parts": count}, stamp)
+    ranks.barrier()  # and no part is begun before it is
     if started and count != ranks.size:
         _log(f"{name}: resuming the {count} part(s) of the interrupted run on {ranks.size} rank(s)")
     parts = [parts_dir / str(w) for w in range(count)]

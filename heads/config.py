@@ -68,6 +68,11 @@ class HeadConfig:
             (:data:`~mlx_stream.heads.dflash.DFLASH_OPTIONS`); ``num_heads`` is then
             ``block_size - 1`` and ``fuse_layers`` the target layers whose inputs its context
             entries read.
+        mtp: "eagle" only: empty, or the heads are a multi-token-prediction module read
+            from the target's own checkpoint (:class:`~mlx_stream.heads.mtp.MTPDraft`, by
+            :func:`mlx_stream.drafters.mtp.load_mtp`) with these options
+            (:data:`~mlx_stream.heads.mtp.MTP_OPTIONS`); ``layer_spec`` is then the target's
+            mlx-lm module and ``ModelArgs``.
     """
 
     num_heads: int
@@ -88,6 +93,7 @@ class HeadConfig:
     sampled_tree: str = ""
     eagle3: dict = field(default_factory=dict)
     dflash: dict = field(default_factory=dict)
+    mtp: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.num_layers < 1:
@@ -103,6 +109,8 @@ class HeadConfig:
             raise ValueError("eagle heads need layer_spec (the draft layer's model_type and args)")
         if self.eagle3 and (self.architecture != "eagle" or not self.fuse_layers):
             raise ValueError("eagle3 applies to eagle heads that fuse target layers (fuse_layers)")
+        if self.mtp and (self.architecture != "eagle" or self.eagle3 or self.fuse_layers):
+            raise ValueError("mtp applies to eagle heads that read the final hidden state alone")
         if self.architecture == "dflash" and not (self.dflash and self.fuse_layers and self.layer_spec):
             raise ValueError(
                 "dflash heads need dflash options, fuse_layers and layer_spec (a published DFlash)"

@@ -116,6 +116,11 @@ class StreamHeads(nn.Module):
 
             self.dflash = DFlashDraft(H, config.layer_spec, len(config.fuse_layers), config.dflash)
             self.heads = []
+        elif config.architecture == "eagle" and config.mtp:  # a checkpoint's own MTP module
+            from .mtp import MTPDraft
+
+            self.eagle = MTPDraft(H, config.layer_spec, config.mtp)
+            self.heads = []
         elif config.architecture == "eagle" and config.eagle3:  # a published EAGLE-3 layer
             from .eagle3 import Eagle3Draft
 

@@ -45,7 +45,8 @@ _HEADS = typer.Option(
     DEFAULT_HEADS,
     "--heads",
     help=f"Heads folder, or a published EAGLE-3 or DFlash folder; '{DEFAULT_HEADS}' = the heads "
-    f"shipped for the model if any, '{NO_HEADS}' = plain decoding.",
+    f"shipped for the model if any, 'mtp' = the model checkpoint's own MTP modules (DeepSeek-V3, "
+    f"GLM-4.5), '{NO_HEADS}' = plain decoding.",
 )
 _TREE = typer.Option(
     None,

@@ -280,7 +280,9 @@ def load(
             (:func:`resolve_heads`); a heads folder; a published EAGLE-3 or DFlash
             checkpoint folder (each project's layout, checked against the target:
             :func:`mlx_stream.drafters.eagle3.load_eagle3`,
-            :func:`mlx_stream.drafters.dflash.load_dflash`); a
+            :func:`mlx_stream.drafters.dflash.load_dflash`); ``"mtp"``: the
+            multi-token-prediction modules inside the model's own checkpoint (DeepSeek-V3,
+            GLM-4.5 style: :func:`mlx_stream.drafters.mtp.load_mtp`); a
             :class:`~mlx_stream.heads.StreamHeads` object; or ``None`` / ``"none"``:
             plain decoding through the same loop.
         dtype: ``"auto"`` (float32 on CPU; keep quantised weights on a GPU),
@@ -309,6 +311,7 @@ def load(
     from .datastore import STORE_FILE, AnswerStore, DraftStore, answers_path, load_store
     from .drafters.dflash import is_dflash, load_dflash
     from .drafters.eagle3 import is_eagle3, load_eagle3
+    from .drafters.mtp import MTP_HEADS, load_mtp
     from .heads import StreamHeads, backbone_fingerprint, load_heads
 
     if dtype not in DTYPES:
@@ -347,7 +350,9 @@ def load(
     if heads is not None and not isinstance(heads, StreamHeads):
         if (Path(heads) / STORE_FILE).is_file():
             shipped = load_store(Path(heads) / STORE_FILE, fp["tokenizer"])
-        if is_eagle3(heads):  # a published EAGLE-3 drafter, checked against this target
+        if isinstance(heads, str) and heads == MTP_HEADS:  # the checkpoint's own MTP modules
+            heads = load_mtp(path, backbone, fp)
+        elif is_eagle3(heads):  # a published EAGLE-3 drafter, checked against this target
             heads = load_eagle3(heads, backbone, fp)
         elif is_dflash(heads):  # a published DFlash block drafter, likewise
             heads = load_dflash(heads, backbone, fp)

@@ -66,6 +66,7 @@ class EagleDrafter:
 
             self._rows = output_weight(model.backbone)[self._ids]
         self._own_embed = "embed_tokens" in layer
+        self._head_input = hasattr(layer, "head_input")
         self._levels = HeadsDrafter._plan_levels(self.tree)
         self._masks = self._plan_masks(self.tree)
         self.cache = KVCache()
@@ -108,8 +109,11 @@ class EagleDrafter:
 
     def _logits(self, feats: mx.array) -> mx.array:
         # (..., V) or (..., V') over the draft vocabulary (self._ids maps rows to tokens)
+        layer = self.model.heads.eagle
         if self._own_head:
-            return self.model.heads.eagle.logits(feats)
+            return layer.logits(feats)
+        if self._head_input:  # an MTP module's own norm before the target's head
+            feats = layer.head_input(feats)
         return self.model.project(feats, self._rows)
 
     @staticmethod

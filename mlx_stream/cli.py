@@ -1031,14 +1031,16 @@ def train(
     init_heads: str | None = typer.Option(
         None,
         "--init-heads",
-        help="Continue training these heads (same architecture and backbone) on this data; "
-        "then --epochs, --lr and --warmup default to 1, 3e-4 and 20.",
+        help="Continue training these heads (same architecture and backbone) on this data, or fine-tune "
+        "a published EAGLE-3 folder or the checkpoint's own MTP module ('mtp'); then --epochs, --lr and "
+        "--warmup default to 1, 3e-4 and 20.",
     ),
     num_heads: int = typer.Option(_TC.num_heads, "--num-heads", "-k", help="Stream heads K."),
-    architecture: str = typer.Option(
-        "hydra",
+    architecture: str | None = typer.Option(
+        None,
         "--architecture",
-        help="Head architecture: hydra, residual, or eagle (a draft layer that attends to the context).",
+        help="Head architecture: hydra, residual, or eagle (a draft layer that attends to the context). "
+        "[default: hydra; eagle for a published drafter's --init-heads]",
     ),
     num_layers: int = typer.Option(_TC.num_layers, "--num-layers", help="Blocks per head."),
     draft_vocab: int = typer.Option(
@@ -1074,8 +1076,9 @@ def train(
 
     Guide: docs/heads.md
     """
-    from mlx_stream.train.pipeline import check_run_settings, run
+    from mlx_stream.train.pipeline import check_run_settings, published_drafter, run
 
+    architecture = architecture or ("eagle" if published_drafter(init_heads) else "hydra")
     if data is not None and synthesize != 512:
         _fail("--synthesize makes prompts when --data is not given: pass one of them")
     if soft_targets and kl_weight == 0:

@@ -138,10 +138,14 @@ def test_eagle_needs_a_llama_family_backbone(tmp_path):
         layer_spec(NotLlama())
 
 
-def test_training_time_test_steps_see_what_drafting_sees(eagle):
+@pytest.mark.parametrize("through", ["written out", "drafting forward"])
+def test_training_time_test_steps_see_what_drafting_sees(eagle, through):
     """Unroll step k at entry i must equal a plain causal pass over the real entries up
-    to i - k + 1 followed by the chain's own entries (what a depth-k node's entry reads)."""
-    from mlx_stream.train.eagle import unrolled_features
+    to i - k + 1 followed by the chain's own entries (what a depth-k node's entry reads):
+    both unrolls, ours written out and any layer's through its drafting forward (the
+    batch's sequences side by side in one cache: another sequence in the batch must not
+    change a sequence's entries)."""
+    from mlx_stream.train.eagle import unrolled_entries, unrolled_features
 
     model, tok = eagle
     draft = model.heads.eagle
@@ -149,7 +153,12 @@ def test_training_time_test_steps_see_what_drafting_sees(eagle):
     F = model.backbone.model(mx.array(ids)[None])[0][:-1]  # f_0 .. f_{L-2}
     X = mx.array(ids[1:])  # x_{i+1}
     E = model.embed(X)
-    outs = unrolled_features(draft, F[None], E[None], 3)
+    if through == "written out":
+        outs = unrolled_features(draft, F[None], E[None], 3)
+    else:
+        other = mx.random.normal(F.shape, key=mx.random.key(1))
+        outs = unrolled_entries(draft, mx.stack([other, F]), mx.stack([E[::-1], E]), 3)
+        outs = [o[1:] for o in outs]
     for k in (2, 3):
         for i in (k - 1, 5, len(ids) - 2):
             a = i - k + 1  # the last real entry the chain starts from

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_model_dir
-from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+from helpers import assert_greedy_identical, check_fine_tuning, mlx_lm_greedy, ours
 
 from mlx_stream import load, stream_generate
 from mlx_stream.cache import make_tree_cache
@@ -416,8 +416,18 @@ def test_a_loaded_eagle3_saves_and_reloads_in_our_format(target_dir, tmp_path):
     assert got_a == got_b
 
 
-def test_training_from_a_published_eagle3_is_refused_with_a_clear_message(target_dir, tmp_path):
+def test_train_fine_tunes_a_published_eagle3_from_its_own_weights(target_dir, tmp_path):
     from test_cli import run
+
+    model, _ = load(str(target_dir), heads=None, dtype="float32")
+    path, _, _ = write_eagle3(tmp_path / "e3", "speculators", model.args.vocab_size, seed=1)
+    check_fine_tuning(target_dir, str(path), tmp_path, run)
+
+
+def test_fine_tuning_asks_for_the_eagle_architecture_and_refuses_dflash(target_dir, tmp_path):
+    from test_cli import run
+    from test_dflash import LAYOUTS as DFLASH_LAYOUTS
+    from test_dflash import write_dflash
 
     model, _ = load(str(target_dir), heads=None, dtype="float32")
     path, _, _ = write_eagle3(tmp_path / "e3", "eagle", model.args.vocab_size)
@@ -425,6 +435,12 @@ def test_training_from_a_published_eagle3_is_refused_with_a_clear_message(target
     data.write_text(json.dumps({"prompt": "The quick", "completion": " brown fox jumps"}) + "\n")
     out = tmp_path / "out"
     args = ["--model", str(target_dir), "--out", str(out), "--data", str(data), "--init-heads", str(path)]
-    r = run("train", *args, "--architecture", "eagle")
-    assert r.returncode != 0 and "published EAGLE-3" in r.stderr, r.stderr
-    assert not (out / "config.json").exists()
+    r = run("train", *args, "--architecture", "hydra")
+    assert r.returncode != 0 and "published EAGLE-3 drafter trains as an eagle layer" in r.stderr, r.stderr
+    assert not (out / "heads").exists()
+    dflash = write_dflash(tmp_path / "df", next(iter(DFLASH_LAYOUTS)), model.args.vocab_size)[0]
+    r = run("train", *args[:-1], str(dflash))
+    assert r.returncode != 0 and "DFlash block drafter; fine-tuning one is not supported" in r.stderr, (
+        r.stderr
+    )
+    assert not (out / "heads").exists()

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+from helpers import assert_greedy_identical, check_fine_tuning, mlx_lm_greedy, ours
 from mlx.utils import tree_flatten, tree_map
 from test_any_model import BASE
 from test_any_model import MODELS as ANY
@@ -263,6 +263,14 @@ def test_a_loaded_mtp_module_saves_and_reloads_in_our_format(ckpt, tmp_path):
     a = orig.eagle(f, e, pos, None, KVCache())
     b = again.eagle(f, e, pos, None, KVCache())
     np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+def test_train_fine_tunes_the_checkpoints_mtp_module_from_its_own_weights(ckpt, tmp_path):
+    # through the target's own decoder layer (DeepSeek-V3: MLA + MoE; GLM-4.5: partial rotary)
+    from test_cli import run
+
+    _, path, _, _ = ckpt
+    check_fine_tuning(path, "mtp", tmp_path, run)
 
 
 def test_checkpoints_without_mtp_modules_are_refused_with_what_to_do(ckpt, tiny_dir, tmp_path):

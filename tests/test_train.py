@@ -244,6 +244,24 @@ def test_feature_writer_resumes_after_a_kill(tmp_path):
         FeatureWriter(tmp_path / "g", 8, 2, dtype="float32", resume=True)
 
 
+def test_feature_rows_keep_unicode_line_separators_inside_their_text(tmp_path):
+    # a completion may hold U+2028 / U+0085 (json.dumps leaves them raw): still one row each,
+    # on resume and when a finished cache is appended to another
+    from mlx_stream.train.features import FeatureWriter, load_features
+
+    rows = [{"index": 0, "completion": "a\u2028b\x85c"}, {"index": 1, "completion": "d\u2029e\x1cf"}]
+    w = FeatureWriter(tmp_path / "f", 4, 2, dtype="float32")
+    w.add(np.ones((2, 4), np.float32), np.zeros((2, 3), np.int32), rows[0])
+    w.close()
+    w = FeatureWriter(tmp_path / "f", 4, 2, dtype="float32", resume=True)
+    assert w.rows == rows[:1]
+    w.add(np.ones((3, 4), np.float32), np.zeros((3, 3), np.int32), rows[1])
+    w.finish(keep_rows=True)
+    merged = FeatureWriter(tmp_path / "g", 4, 2, dtype="float32")
+    merged.extend(load_features(tmp_path / "f"))
+    assert merged.rows == rows and len(merged.finish()) == 5
+
+
 def test_kl_term_uses_the_backbone_distribution_at_t_plus_j(tiny):
     """With heads that reproduce the backbone's state at t+j exactly, the KL term is 0;
     with other heads it is positive."""

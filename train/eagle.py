@@ -215,11 +215,86 @@ def unrolled_features(draft, F: mx.array, E: mx.array, steps: int) -> list[mx.ar
     return outs
 
 
+def unrolled_entries(layer, F: mx.array, E: mx.array, steps: int) -> list[mx.array]:
+    """Any EAGLE-style layer's outputs over a batch for unroll steps 1..``steps``, computed
+    with the layer's own drafting forward (``layer(f, e, positions, mask, cache)``), so
+    training sees exactly what drafting computes: a published EAGLE-3 layer
+    (:class:`~mlx_stream.heads.eagle3.Eagle3Draft`), a checkpoint's MTP module
+    (:class:`~mlx_stream.heads.mtp.MTPDraft`, the target's own decoder layer: MLA, MoE)
+    or ours. EAGLE-3's training-time test (Li et al. 2025, sec. 3.2): the B sequences lie
+    side by side as one row of ``B * T`` entries in one KV cache, step k's entries after
+    step k-1's; the entry at i of step k reads step k-1's output at i-1 and attends to
+    the step-1 entries up to i-k+1 of its own sequence, its chain's entries of steps
+    2..k-1 (at i-k+m) and itself: what the entry of a depth-k draft node sees at decode
+    time (:class:`~mlx_stream.drafters.eagle.EagleDrafter`). :func:`unrolled_features`
+    computes the same for our :class:`~mlx_stream.heads.eagle.EagleDraft` with its
+    attention written out.
+
+    Args:
+        layer: the draft layer (``heads.eagle``).
+        F: ``(B, T, W)`` the target's features f_i (W: as the layer reads them at step 1).
+        E: ``(B, T, H)`` the embeddings of x_{i+1} the layer reads.
+        steps: unroll steps, >= 1.
+
+    Returns:
+        ``steps`` arrays ``(B, T, H_out)``: the layer's outputs (step 1: teacher forced);
+        entries i < k-1 of step k are not meaningful (masked in the loss).
+    """
+    from mlx_lm.models.cache import KVCache
+
+    B, T = F.shape[:2]
+    N = B * T
+    pos = mx.tile(mx.arange(T, dtype=mx.int32), (B,))
+    seq = mx.repeat(mx.arange(B), T)
+    same = seq[:, None] == seq[None, :]
+    gap = pos[:, None] - pos[None, :]  # i - j, within a sequence
+    e = E.reshape(N, -1)
+    cache, outs, prev = KVCache(), [], None
+    for k in range(1, steps + 1):
+        blocks = [same & (gap >= k - 1)] + [same & (gap == k - m) for m in range(2, k + 1)]
+        f = F.reshape(N, -1) if k == 1 else _shift(prev.reshape(B, T, -1), 1).reshape(N, -1)
+        prev = layer(f, e, pos, mx.concatenate(blocks, axis=1), cache)
+        outs.append(prev.reshape(B, T, -1))
+    return outs
+
+
+def published(heads) -> bool:
+    """Whether ``heads`` are a published drafter's layer (EAGLE-3, or a checkpoint's MTP
+    module) rather than our own EAGLE-style draft layer."""
+    return bool(heads.config.eagle3 or heads.config.mtp)
+
+
+def unroll(model, heads, F: mx.array, X: mx.array, steps: int) -> list[mx.array]:
+    """The draft layer's outputs for unroll steps 1..``steps`` of a batch (``F`` the
+    target's features ``(B, T, W)``, ``X`` the next tokens ``(B, T)``): our layer through
+    :func:`unrolled_features`, a published one through :func:`unrolled_entries` (with its
+    own input embedding where its checkpoint has one)."""
+    layer = heads.eagle
+    if not published(heads):
+        return unrolled_features(layer, F, model.embed(X), steps)
+    own = layer.embed(X) if hasattr(layer, "embed") else None
+    return unrolled_entries(layer, F, own.astype(mx.float32) if own is not None else model.embed(X), steps)
+
+
+def draft_logits(model, heads, g: mx.array, rows: mx.array | None) -> mx.array:
+    """Logits of the layer's outputs ``g`` ``(..., H)``, as drafting scores them: a
+    published EAGLE-3 layer's own head over its draft vocabulary, an MTP module's norm
+    before the target's head, else the target's head (``rows``: its rows of a reduced
+    draft vocabulary)."""
+    layer = heads.eagle
+    if hasattr(layer, "logits"):
+        return layer.logits(g)
+    if hasattr(layer, "head_input"):
+        g = layer.head_input(g)
+    return g @ rows.T if rows is not None else model.project(g)
+
+
 def eagle_loss(model, heads, F, X, Y, R, rows, steps: int, reg_weight: float, step_decay: float):
-    """Weighted mean over unroll steps of CE(x_{i+2}) + ``reg_weight`` x smooth-L1(f_{i+1});
-    returns ``(loss, per-step top-1 correct counts, per-step counted positions)``."""
-    E = model.embed(X)
-    outs = unrolled_features(heads.eagle, F, E, steps)
+    """Weighted mean over unroll steps of CE(x_{i+2}) + ``reg_weight`` x smooth-L1(f_{i+1})
+    (``reg_weight`` 0: the cross-entropy alone, as EAGLE-3 and MTP train; their outputs
+    are not the target's features); returns ``(loss, per-step top-1 correct counts,
+    per-step counted positions)``."""
+    outs = unroll(model, heads, F, X, steps)
     Ff = F[..., : outs[0].shape[-1]].astype(mx.float32)  # the final hidden states (fused: the first H)
     total, correct, counted = 0.0, [], []
     wsum = 0.0
@@ -227,14 +302,15 @@ def eagle_loss(model, heads, F, X, Y, R, rows, steps: int, reg_weight: float, st
     for k, g in enumerate(outs, start=1):
         w = step_decay ** (k - 1)
         valid = (Y >= 0) & (mx.arange(T)[None] >= k - 1)
-        logits = g @ rows.T if rows is not None else model.project(g)
+        logits = draft_logits(model, heads, g, rows)
         ce = nn.losses.cross_entropy(logits, mx.maximum(Y, 0), reduction="none")
         n = mx.maximum(valid.sum(), 1)
         ce = (ce * valid).sum() / n
-        rmask = R * (mx.arange(T)[None] >= k - 1)
-        reg = nn.losses.smooth_l1_loss(g[:, :-1], Ff[:, 1:], reduction="none").mean(-1)
-        reg = (reg * rmask[:, :-1]).sum() / mx.maximum(rmask[:, :-1].sum(), 1)
-        total = total + w * (ce + reg_weight * reg)
+        if reg_weight:
+            rmask = R * (mx.arange(T)[None] >= k - 1)
+            reg = nn.losses.smooth_l1_loss(g[:, :-1], Ff[:, 1:], reduction="none").mean(-1)
+            ce = ce + reg_weight * (reg * rmask[:, :-1]).sum() / mx.maximum(rmask[:, :-1].sum(), 1)
+        total = total + w * ce
         wsum += w
         correct.append(((mx.argmax(logits, axis=-1) == Y) & valid).sum())
         counted.append(valid.sum())
@@ -251,17 +327,17 @@ def evaluate_eagle(model, heads, seqs, steps: int, tokens: int = 4096, max_rank:
         anchor, the rank of the true token at each depth (``max_rank`` when beyond it),
         as :func:`mlx_stream.train.trainer.head_ranks` gives for other heads.
     """
-    rows = _draft_rows(model, heads)
+    rows = None if published(heads) else _draft_rows(model, heads)
     lut = draft_vocab_lut(heads, model.args.vocab_size)
     hit1, hit5, n = np.zeros(steps), np.zeros(steps), np.zeros(steps)
     all_ranks = []
     for idx in batches(seqs, tokens):
         F, X, Y, R, has = batch_arrays(seqs, idx, lut)
-        outs = unrolled_features(heads.eagle, F, model.embed(X), steps)
+        outs = unroll(model, heads, F, X, steps)
         T = F.shape[1]
         per_step = []
         for k, g in enumerate(outs, start=1):
-            logits = g @ rows.T if rows is not None else model.project(g)
+            logits = draft_logits(model, heads, g, rows)
             tl = mx.take_along_axis(logits, mx.maximum(Y, 0)[..., None], axis=-1)
             rank = (logits > tl).sum(-1)
             valid = (Y >= 0) & (mx.arange(T)[None] >= k - 1)
@@ -309,7 +385,7 @@ def train_eagle(
     Returns:
         ``{"steps", "positions", "wall_s", "positions_per_s", "final_loss", "train_top1"}``.
     """
-    rows = _draft_rows(model, heads)
+    rows = None if published(heads) else _draft_rows(model, heads)
     lut = draft_vocab_lut(heads, model.args.vocab_size)
     plan = []
     for e in range(int(np.ceil(epochs))):

@@ -60,8 +60,12 @@ class FeatureCache:
 
 def sequence_ids(tokenizer, row: dict) -> tuple[list[int], int]:
     """``(ids, start)``: prompt (chat template) + completion + EOS, and the index of
-    the first completion token."""
+    the first completion token. A self-distilled row's ``completion_ids`` (the tokens
+    as the backbone generated them, EOS included where it ended) are used as they are:
+    re-encoding the decoded text can give other tokens."""
     p = prompt_ids(tokenizer, row["prompt"])
+    if row.get("completion_ids") is not None:
+        return p + [int(t) for t in row["completion_ids"]], len(p)
     c = tokenizer.encode(row["completion"], add_special_tokens=False)
     eos = tokenizer.eos_token_id
     return p + c + ([eos] if eos is not None else []), len(p)
@@ -152,7 +156,7 @@ class FeatureWriter:
         raw = lp.read_bytes() if lp.is_file() else b""
         lengths = np.frombuffer(raw[: len(raw) // 8 * 8], dtype=np.int64)
         rp = self.tmp / "rows.jsonl"
-        lines = rp.read_text(encoding="utf-8").splitlines(keepends=True) if rp.is_file() else []
+        lines = _row_lines(rp.read_text(encoding="utf-8")) if rp.is_file() else []
         n = min(len(lengths), len(lines))
         self.rows = [json.loads(line) for line in lines[:n]]
         assert len(self.rows) == n, "a committed sequence without its row"
@@ -221,7 +225,7 @@ class FeatureWriter:
             raise ValueError(f"{cache.path}: holds top-{cache.top_k} log-probabilities, not {self.top_k}")
         rp = cache.path / "rows.jsonl" if cache.path else None
         rows = (
-            [json.loads(line) for line in rp.read_text(encoding="utf-8").splitlines()]
+            [json.loads(line) for line in _row_lines(rp.read_text(encoding="utf-8"))]
             if rp and rp.is_file()
             else []
         )
@@ -389,6 +393,14 @@ def _bin_to_npy(src: Path, dst: Path, dtype: np.dtype, shape: tuple) -> None:
     out.flush()
     del raw, out
     src.unlink()
+
+
+def _row_lines(text: str) -> list[str]:
+    # rows.jsonl's lines with their "\n" (the last may be a killed write's part): split at "\n"
+    # alone, as str.splitlines would also split at the U+0085 / U+2028 that
+    # json.dumps(ensure_ascii=False) leaves inside a completion's text
+    parts = text.split("\n")
+    return [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
 
 
 def load_features(path: str | Path) -> FeatureCache:

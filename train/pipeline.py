@@ -154,7 +154,8 @@ def distill_part(
             writer.add(
                 g.hidden,
                 targets_for(ids, len(prompts[k]), num_heads),
-                {"index": i, "prompt": rows[i]["prompt"], "completion": text},
+                # the tokens as generated: decoding and re-encoding the text need not give them back
+                {"index": i, "prompt": rows[i]["prompt"], "completion": text, "completion_ids": g.tokens},
                 g.top_logprobs,
                 g.top_ids,
             )
@@ -284,32 +285,36 @@ def _train_eagle(
     # (one batched teacher-forced prefill per split), then sequence batches of 256 tokens
     from mlx_stream.heads import save_heads
 
-    from .eagle import evaluate_eagle, sequence_features, train_eagle
+    from .eagle import evaluate_eagle, published, sequence_features, train_eagle
     from .trainer import implied_tau
 
     tic = time.perf_counter()
     seqs = {
-        n: sequence_features(model, tokenizer, read_jsonl(out / "data" / f"{n}.jsonl"))
+        n: sequence_features(
+            model, tokenizer, read_jsonl(out / "data" / f"{n}.jsonl"), fuse_layers=heads.config.fuse_layers
+        )
         for n in ("train", "valid")
     }
     _log(
         f"sequence features: {len(seqs['train'])} + {len(seqs['valid'])} sequences "
         f"in {time.perf_counter() - tic:.0f}s"
     )
+    depth = heads.config.num_heads  # (a published drafter's own: EAGLE-3 6, MTP 3)
     report = train_eagle(
         model,
         heads,
         seqs["train"],
         epochs=cfg.epochs,
         lr=cfg.lr,
-        steps=min(3, cfg.num_heads),
+        steps=min(3, depth),
+        reg_weight=0.0 if published(heads) else 1.0,  # EAGLE-3 and MTP train on the tokens alone
         warmup=cfg.warmup,
         seed=cfg.seed,
         step_decay=cfg.head_decay,
         log=_log,
     )
     heads.config.trained_positions += report["positions"]
-    top1, top5, ranks = evaluate_eagle(model, heads, seqs["valid"], cfg.num_heads)
+    top1, top5, ranks = evaluate_eagle(model, heads, seqs["valid"], depth)
     report["valid"] = {
         "positions": int(len(ranks)),
         "top1": top1,
@@ -321,18 +326,60 @@ def _train_eagle(
     return report, ranks
 
 
+_NO_DFLASH = (
+    "{where}: a published DFlash block drafter; fine-tuning one is not supported (its block-diffusion "
+    "training is not built here): EAGLE-3 layers and MTP modules are"
+)
+
+
+def published_drafter(init_heads) -> str | None:
+    """The kind of published drafter ``init_heads`` names, ``"EAGLE-3"``, ``"MTP"`` or
+    ``"DFlash"``: a checkpoint folder as published, ``"mtp"`` (the target checkpoint's own
+    module), or one saved in our format (loaded, or fine-tuned before); None for our own
+    heads (or none)."""
+    from mlx_stream.drafters.dflash import is_dflash
+    from mlx_stream.drafters.eagle3 import is_eagle3
+    from mlx_stream.drafters.mtp import MTP_HEADS
+
+    if init_heads is None:
+        return None
+    if str(init_heads) == MTP_HEADS:
+        return "MTP"
+    if is_eagle3(init_heads):
+        return "EAGLE-3"
+    if is_dflash(init_heads):
+        return "DFlash"
+    try:
+        raw = json.loads((Path(init_heads) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # (load_heads says what is wrong with the folder)
+    if not isinstance(raw, dict):
+        return None
+    if raw.get("eagle3"):
+        return "EAGLE-3"
+    if raw.get("mtp"):
+        return "MTP"
+    return "DFlash" if raw.get("architecture") == "dflash" else None
+
+
 def check_init_heads(config, cfg: TrainConfig, architecture: str, where: str) -> None:
-    """Check that heads saved with ``config`` can continue training under ``cfg``.
+    """Check that heads saved with ``config`` can continue training under ``cfg``. A
+    published EAGLE-3 layer or MTP module (``config.eagle3`` / ``config.mtp``) trains as
+    an eagle layer at its own depth and width, whatever ``cfg`` asks of new heads.
 
     Raises:
-        ValueError: naming the first setting that differs (architecture, number of
-            heads, layers per head).
+        ValueError: a DFlash block drafter (not trained here); naming the first setting
+            that differs (architecture, number of heads, layers per head).
     """
-    if getattr(config, "eagle3", None) or config.architecture == "dflash":
-        raise ValueError(
-            f"{where}: a published drafter (EAGLE-3 or DFlash, saved in our format); continuing "
-            "its training is not supported yet"
-        )
+    if config.architecture == "dflash":
+        raise ValueError(_NO_DFLASH.format(where=where))
+    if config.eagle3 or config.mtp:
+        if architecture != "eagle":
+            raise ValueError(
+                f"{where}: a published {'EAGLE-3' if config.eagle3 else 'MTP'} drafter trains as an "
+                f"eagle layer, not {architecture!r}: leave --architecture out (or pass eagle)"
+            )
+        return
     for name, have, want in (
         ("architecture", config.architecture, architecture),
         ("num_heads", config.num_heads, cfg.num_heads),
@@ -399,7 +446,7 @@ def run(
     dtype: str = "float32",
     progress: bool = True,
     draft_vocab: int = 0,
-    architecture: str = "hydra",
+    architecture: str | None = None,
     gen_batch_size: int = 64,
     workers: int = 1,
     tune: bool = True,
@@ -436,6 +483,10 @@ def run(
     from mlx_stream.loader import load
     from mlx_stream.tree import chain, sparse
 
+    kind = published_drafter(init_heads)
+    if kind == "DFlash":
+        raise ValueError(_NO_DFLASH.format(where=init_heads))
+    architecture = architecture or ("eagle" if kind else "hydra")
     check_run_settings(
         max_tokens=max_tokens,
         workers=workers,
@@ -466,16 +517,18 @@ def run(
     fp = backbone_fingerprint(model.backbone, tokenizer)
     init = None
     if init_heads is not None:
-        from mlx_stream.drafters.dflash import is_dflash
-        from mlx_stream.drafters.eagle3 import is_eagle3
+        from mlx_stream.drafters.eagle3 import is_eagle3, load_eagle3
+        from mlx_stream.drafters.mtp import MTP_HEADS, load_mtp
+        from mlx_stream.loader import resolve_model_path
 
-        if is_eagle3(init_heads) or is_dflash(init_heads):
-            kind = "EAGLE-3" if is_eagle3(init_heads) else "DFlash"
-            raise ValueError(
-                f"{init_heads}: a published {kind} checkpoint; continuing its training is not "
-                "supported yet: train an EAGLE-style layer of our own with --architecture eagle"
-            )
-        init = load_heads(init_heads, fingerprint=fp)
+        # a published checkpoint (or the target's own MTP module) is read and checked against
+        # this target as decoding reads it; heads saved in our format (a fine-tuned one too) as ours
+        if str(init_heads) == MTP_HEADS:
+            init = load_mtp(resolve_model_path(model_spec), model.backbone, fp)
+        elif is_eagle3(init_heads):
+            init = load_eagle3(init_heads, model.backbone, fp)
+        else:
+            init = load_heads(init_heads, fingerprint=fp)
         check_init_heads(init.config, cfg, architecture, str(init_heads))
     feats, splits = {}, None
     for name in ("train", "valid"):
@@ -511,7 +564,10 @@ def run(
     data_s = time.perf_counter() - tic
     say(f"{len(feats['train'])} training positions, {len(feats['valid'])} held out")
     ids, coverage = None, 1.0
-    if 0 < draft_vocab < model.args.vocab_size:
+    if kind is not None:  # a published drafter keeps the vocabulary (and head) it was trained with
+        coverage = None
+        say(f"fine-tuning a published {kind} drafter: it keeps its own vocabulary and depth")
+    elif 0 < draft_vocab < model.args.vocab_size:
         ids, coverage = choose_draft_vocab(feats["train"], draft_vocab)
         say(f"draft vocabulary: {len(ids)} tokens covering {coverage:.1%} of training targets")
         ids = mx.array(ids)
@@ -525,6 +581,8 @@ def run(
         heads = new_heads(
             model.backbone, tokenizer, cfg.num_heads, cfg.num_layers, draft_ids=ids, architecture=architecture
         )
+    elif kind is not None:
+        heads = init
     else:  # the heads' weights do not depend on the draft vocabulary: it only picks output rows
         heads = init
         heads.config.draft_vocab_size = 0 if ids is None else len(ids)

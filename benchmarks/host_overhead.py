@@ -24,7 +24,11 @@ first response), and whether the tokens equal plain mlx-lm's (greedy rows). Conf
   random weights (nothing accepted), adaptive speculation on (the default);
 * ``heads static`` / ``heads dynamic``: random stream heads (3, residual) on a sparse
   tree, and random EAGLE heads on ``dynamic:8``; ``heads 2-node, adaptive``: the random
-  heads on the shipped heads' tree (``0``) with adaptive speculation on (the default).
+  heads on the shipped heads' tree (``0``) with adaptive speculation on (the default);
+* ``eagle-3 random, adaptive`` / ``dflash random, adaptive``: random drafters in the published
+  EAGLE-3 and DFlash shapes (:func:`published_heads`) on their default trees, adaptive
+  speculation on: nothing is accepted, so it turns drafting off, and the drafter's cost on
+  the steps left plain shows.
 
 Then one instrumented pass per configuration splits a step's host time into phases
 (exclusive wall time of the functions that do each; the instrumentation costs ~1 us a
@@ -117,10 +121,54 @@ def build(root: Path, name: str):
     heads = new_heads(model.backbone, tok, 3, scale=0.02, seed=0)
     eagle = new_heads(model.backbone, tok, 3, architecture="eagle", scale=0.02, seed=0)
     ids = tok.encode(PROMPT)
-    return model, tok, same, other, heads, eagle, ids
+    return model, tok, same, other, heads, eagle, published_heads(model), ids
 
 
-def configurations(model, tok, same, other, heads, eagle, ids, max_tokens, temp):
+def published_heads(model) -> dict:
+    """Random drafters in the published formats' shapes (EAGLE-3: one llama layer over the
+    inputs of every target layer, its own head; DFlash: one qwen3 layer, a block of 16), as
+    their loaders make them: tau ~1, so adaptive speculation turns their drafting off."""
+    from mlx_stream.heads import HeadConfig, StreamHeads
+
+    a, n = model.args, len(model.backbone.layers)
+    H, V = a.hidden_size, a.vocab_size
+    args = {
+        "hidden_size": H,
+        "num_hidden_layers": 1,
+        "intermediate_size": 2 * H,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": H // a.num_attention_heads,
+        "vocab_size": V,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e4,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
+    mx.random.seed(0)
+    common = {"hidden_size": H, "vocab_size": V, "fuse_layers": list(range(n))}
+    eagle3 = HeadConfig(
+        num_heads=6,
+        architecture="eagle",
+        tree="dynamic:16,4",
+        layer_spec={"model_type": "llama", "args": args | {"model_type": "llama"}},
+        eagle3={"target_hidden_size": H},
+        **common,
+    )
+    dflash = HeadConfig(
+        num_heads=15,
+        architecture="dflash",
+        tree="chain:15",
+        layer_spec={"model_type": "qwen3", "args": args | {"model_type": "qwen3"}},
+        dflash={"block_size": 16, "mask_token_id": 0, "target_hidden_size": H, "layers": 1, "head": 0},
+        **common,
+    )
+    out = {"eagle-3": StreamHeads(eagle3), "dflash": StreamHeads(dflash)}
+    mx.eval([h.parameters() for h in out.values()])
+    return out
+
+
+def configurations(model, tok, same, other, heads, eagle, published, ids, max_tokens, temp):
     """``{label: (run() -> result, baseline label)}``: ours and mlx-lm's."""
     from mlx_stream.drafters import OracleDrafter
     from mlx_stream.tree import build_tree, chain
@@ -173,6 +221,8 @@ def configurations(model, tok, same, other, heads, eagle, ids, max_tokens, temp)
             "mlx-lm plain",
         ),
         "heads 2-node, adaptive": (with_heads(heads, tree="0", prompt_lookup=0), "mlx-lm plain"),
+        "eagle-3 random, adaptive": (with_heads(published["eagle-3"], prompt_lookup=0), "mlx-lm plain"),
+        "dflash random, adaptive": (with_heads(published["dflash"], prompt_lookup=0), "mlx-lm plain"),
     }
 
 

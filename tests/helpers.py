@@ -192,3 +192,29 @@ def check_fine_tuning(target, init: str, tmp_path, run_cli) -> dict:
     print(f"accepted drafts over 2 held-out prompts x 48 tokens: {accepted}")
     assert accepted["after"] > accepted["before"], accepted
     return report
+
+
+def check_backlog(model, tok, make_drafter) -> None:
+    """A drafter that reads every verified position (``reads_path``): a step drafted
+    without it (``max_depth=0``) runs nothing, and its positions enter the drafter's
+    cache with the next drafted step's, which then drafts what a drafter that read them
+    at once drafts."""
+    from mlx_stream.cache import make_tree_cache
+
+    ids = tok.encode("The quick brown fox jumps over the lazy dog again")
+    aux = list(model.heads.config.fuse_layers)
+    h, mids = model.family.prefill_hidden(model.backbone, mx.array(ids), make_tree_cache(model.backbone), aux)
+    feats = mx.concatenate([h, mids], axis=-1) if aux else h
+    lazy, eager = make_drafter(), make_drafter()
+    r = 5
+    for d in (lazy, eager):
+        d.draft(feats[:r], ids[: r + 1])
+    before = lazy.draft(feats[r : r + 1], ids[: r + 2], max_depth=0)
+    assert before.size == 0 and lazy._backlog.size == 1  # recorded, not run
+    eager.draft(feats[r : r + 1], ids[: r + 2])
+    for end in (r + 3, r + 4):  # two positions verified, then one
+        start = r + 1 if end == r + 3 else r + 3
+        a = lazy.draft(feats[start:end], ids[: end + 1])
+        b = eager.draft(feats[start:end], ids[: end + 1])
+        assert a.tolist() == b.tolist() and a.size > 0, (a.tolist(), b.tolist())
+        assert lazy._backlog.size == 0

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_model_dir
-from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+from helpers import assert_greedy_identical, check_backlog, mlx_lm_greedy, ours
 from test_eagle3 import _hf_aux
 
 from mlx_stream import load
 from mlx_stream.cache import make_tree_cache
 from mlx_stream.drafters.dflash import DFlashDrafter
-from mlx_stream.tree import chain
+from mlx_stream.tree import chain, parse_tree
 
 L_TARGET = 8
 H, HEADS, KV, HD, FF = 64, 4, 2, 16, 96
@@ -277,6 +277,14 @@ def test_greedy_identity_with_a_published_dflash(target_dir, tmp_path, layout):
     ids = tok.encode("The quick brown fox")
     got, _ = ours(model, tok, ids, 64)  # the defaults: adaptive speculation, prompt lookup
     assert_greedy_identical(model, ids, got, mlx_lm_greedy(model.backbone, tok, ids, 64))
+
+
+def test_a_plain_steps_positions_enter_the_context_with_the_next_drafted_step(target_dir, tmp_path):
+
+    model, tok = load(str(target_dir), heads=None, dtype="float32")
+    path, _ = write_dflash(tmp_path / "df", "speculators", model.args.vocab_size, seed=3)
+    model, tok = load(str(target_dir), heads=str(path), dtype="float32")
+    check_backlog(model, tok, lambda: DFlashDrafter(model, parse_tree("0;1;0,0;1,0", 3)))
 
 
 def test_seeded_sampling_with_a_published_dflash_is_plain_sampling(target_dir, tmp_path):

@@ -256,7 +256,7 @@ def test_dynamic_tree_drafts_equal_a_causal_recomputation(eagle, budget, width):
 
     model, tok = eagle
     ids = tok.encode("The quick brown fox jumps over")
-    seq = list(mlx_lm_greedy(model.backbone, tok, ids, 12))
+    seq = list(mlx_lm_greedy(model.backbone, tok, ids, 14))
     tokens_all = ids + seq
     feats = model.backbone.model(mx.array(tokens_all)[None])[0]
     drafter = DynamicTreeDrafter(model, budget=budget, width=width)
@@ -283,7 +283,14 @@ def test_dynamic_tree_drafts_equal_a_causal_recomputation(eagle, budget, width):
     t, _ = propose(drafter, feats[prev:r], tokens_all[: r + 1], 1)  # depth limit
     assert t.depth == 1 and t.size == width + 1  # the root's children only
     t, d = propose(drafter, feats[r : r + 1], tokens_all[: r + 2], K, base=False)
-    assert t.size == 1 and d.size == 0 and drafter._committed == r + 1  # recorded, not drafted
+    assert t.size == 1 and d.size == 0 and drafter._committed == r  # recorded for later, not run
+    tokens = tokens_all[: r + 3]
+    t, drafts = propose(drafter, feats[r + 1 : r + 2], tokens, K)
+    assert drafter._committed == r + 2  # the plain step's position entered with this one's
+    for i in range(1, t.size):
+        path = t.paths[i]
+        ref = _reference_children(model, feats, tokens, [int(drafts[j - 1]) for j in path[:-1]])
+        assert int(drafts[i - 1]) == int(ref[int(t.ranks[i])]), i
 
 
 @pytest.mark.parametrize("spec", ["dynamic:6,3", "dynamic:4"])
@@ -470,3 +477,20 @@ def test_train_fused_eagle_learns_and_unrolls_like_drafting(tiny):
     train_eagle(model, model.heads, seqs, epochs=60, lr=3e-3, steps=2, warmup=5, log=lambda s: None)
     after, _, _ = evaluate_eagle(model, model.heads, seqs, 2)
     assert after[0] > max(0.8, before[0] + 0.3) and after[1] > 0.6, (before, after)
+
+
+def test_the_backlog_joins_contiguous_positions_only_and_keeps_the_latest_past_its_limit():
+    from mlx_stream.drafters.base import Backlog
+
+    rows = mx.arange(12, dtype=mx.float32).reshape(12, 1)  # row i: position i's feature
+    b = Backlog(limit=4)
+    b.add(rows[0:2], 2)
+    b.add(rows[2:3], 3)
+    assert b.take(rows[3:4], 4).tolist() == rows[0:4].tolist() and b.size == 0
+    b.add(rows[4:6], 6)
+    b.add(rows[8:9], 9)  # a gap (positions 6, 7 never recorded): only the later ones wait
+    assert b.size == 1
+    assert b.take(rows[10:11], 11).tolist() == rows[10:11].tolist()  # not next to them: alone
+    b.add(rows[0:3], 3)
+    b.add(rows[3:6], 6)  # past the limit: the latest 4
+    assert b.size == 4 and b.take(rows[6:7], 7).tolist() == rows[2:7].tolist()

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_model_dir
-from helpers import assert_greedy_identical, check_fine_tuning, mlx_lm_greedy, ours
+from helpers import assert_greedy_identical, check_backlog, check_fine_tuning, mlx_lm_greedy, ours
 
 from mlx_stream import load, stream_generate
 from mlx_stream.cache import make_tree_cache
 from mlx_stream.drafters.eagle import EagleDrafter
-from mlx_stream.tree import chain
+from mlx_stream.tree import chain, parse_tree
 
 L_TARGET = 8  # the default aux layers [2, L // 2, L - 3] = [2, 4, 5]
 H, HEADS, KV, HD, FF = 64, 4, 2, 16, 96
@@ -330,6 +330,18 @@ def test_greedy_identity_with_a_published_eagle3(target_dir, tmp_path, layout):
     ids = tok.encode("The quick brown fox")
     got, _ = ours(model, tok, ids, 64)  # the defaults: adaptive speculation, prompt lookup
     assert_greedy_identical(model, ids, got, mlx_lm_greedy(model.backbone, tok, ids, 64))
+
+
+def test_a_plain_steps_positions_enter_the_layers_cache_with_the_next_drafted_step(target_dir, tmp_path):
+    from mlx_stream.drafters.eagle import DynamicTreeDrafter
+
+    model, tok = load(str(target_dir), heads=None, dtype="float32")
+    path, _, _ = write_eagle3(tmp_path / "e3", "speculators", model.args.vocab_size, seed=3)
+    model, tok = load(str(target_dir), heads=str(path), dtype="float32")
+    check_backlog(model, tok, lambda: EagleDrafter(model, parse_tree("0;1;0,0;1,0", 3)))
+    dyn = DynamicTreeDrafter(model, budget=6, width=3)  # EAGLE-2's dynamic tree records likewise
+    assert dyn.propose(mx.zeros((1, 4 * H)), [1, 2], 3, base=False)[0].size == 1
+    assert dyn._backlog.size == 1 and dyn._committed == 0
 
 
 def test_seeded_sampling_with_a_published_eagle3_is_plain_sampling(target_dir, tmp_path):

@@ -107,6 +107,41 @@ class NoDrafter:
         return mx.zeros((0,), dtype=mx.int32)
 
 
+class Backlog:
+    """The verified positions a drafter that reads every position (``reads_path``: an
+    EAGLE-style layer, DFlash) has not read yet. Steps that adaptive speculation leaves
+    plain record their features here instead of running the drafter's own forward, and
+    the next drafted step reads them all in one batched call, its cache in step again:
+    a plain step then costs the drafter nothing (it cost one draft-layer forward).
+
+    Args:
+        limit: the most positions kept; past it only the latest are, and the drafter
+            starts its cache over from them (its drafts then attend to those alone: the
+            output is unaffected, as after any gap).
+    """
+
+    def __init__(self, limit: int = 1024):
+        self.limit, self.parts, self.size, self.end = limit, [], 0, None
+
+    def add(self, hidden: mx.array, r: int) -> None:
+        """Record ``hidden`` ``(P, W)``, the features of positions ``r - P .. r - 1``."""
+        P = hidden.shape[0]
+        if self.parts and self.end != r - P:  # a gap: what waited is not before these
+            self.parts, self.size = [], 0
+        self.parts.append(hidden)
+        self.size, self.end = self.size + P, r
+        if self.size > self.limit:
+            self.parts, self.size = [mx.concatenate(self.parts)[-self.limit :]], self.limit
+
+    def take(self, hidden: mx.array, r: int) -> mx.array:
+        """``hidden`` ``(P, W)`` (positions ``r - P .. r - 1``) with the recorded positions
+        before it where they lead up to it, ``(P' , W)``; the backlog is then empty."""
+        if self.parts and self.end == r - hidden.shape[0]:
+            hidden = mx.concatenate([*self.parts, hidden])
+        self.parts, self.size, self.end = [], 0, None
+        return hidden
+
+
 def topk(logits: mx.array, k: int) -> mx.array:
     """``(..., V)`` -> ``(..., k)`` indices of the k largest, best first (on the device)."""
     if k == 1:

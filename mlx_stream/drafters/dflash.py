@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..tree import Tree, check_depth
-from .base import topk
+from .base import Backlog, topk
 
 LAYER_TYPES = ("qwen3",)
 
@@ -235,13 +235,16 @@ class DFlashDrafter:
         self._new_cache = lambda: [KVCache() for _ in model.heads.dflash.layers]
         self.caches = self._new_cache()
         self._next = None  # the position the next verified entry is for
+        self._backlog = Backlog()  # positions of steps drafted without the block
 
     def draft(
         self, hidden, tokens: Sequence[int], mid=None, cache=None, max_depth: int | None = None, noise=None
     ):
         """``hidden``: ``(P, (1 + n) H_t)`` the target's features of the P positions verified
         since the last call (the prompt's at the first), the root's parent last; ``tokens``
-        every token so far, the root last. ``max_depth=0`` only records them.
+        every token so far, the root last. ``max_depth=0`` only records them (they enter
+        the context with the next drafted step's, in one call:
+        :class:`~mlx_stream.drafters.base.Backlog`).
 
         Returns:
             ``(N - 1,)`` int32 drafts in node order of :attr:`tree` truncated to ``max_depth``.
@@ -256,14 +259,17 @@ class DFlashDrafter:
                 f"this DFlash drafter reads {width}-wide features (the final hidden state and the inputs "
                 f"of layers {list(self.fuse_layers)}), got {hidden.shape[-1]}"
             )
-        P, r = hidden.shape[0], len(tokens) - 1
+        r = len(tokens) - 1
+        depth = self.tree.depth if max_depth is None else min(max_depth, self.tree.depth)
+        if depth < 1:  # a step drafted without the block: its positions wait for the next drafted one
+            self._backlog.add(hidden, r)
+            return mx.zeros((0,), dtype=mx.int32)
+        hidden = self._backlog.take(hidden, r)
+        P = hidden.shape[0]
         if self._next != r - P:  # first call, or a gap: start over from these positions
             self.caches = self._new_cache()
         d.commit(d.context(hidden), r - P, self.caches)
         self._next = r
-        depth = self.tree.depth if max_depth is None else min(max_depth, self.tree.depth)
-        if depth < 1:
-            return mx.zeros((0,), dtype=mx.int32)
         root = tokens[-1]
         toks = root.reshape(1).astype(mx.int32) if isinstance(root, mx.array) else mx.array([root], mx.int32)
         e = self.model.embed(mx.concatenate([toks, mx.array(self._block, dtype=mx.int32)]))

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..tree import Tree, build_tree, chain, check_depth, no_drafts
-from .base import topk
+from .base import Backlog, topk
 from .stream_heads import HeadsDrafter
 
 
@@ -19,7 +19,8 @@ class EagleDrafter:
     The layer keeps its own KV cache of entries ``[f_i; e(x_{i+1})]`` (Li et al. 2024,
     sec. 4), in step with the accepted tokens: each call first drops the previous
     call's speculative entries, then appends the entries of the positions verified
-    since (the backbone's features of the accepted path, ``hidden``), whose last
+    since (the backbone's features of the accepted path, ``hidden``; after steps drafted
+    without the layer, theirs too, in the same call), whose last
     output f^_r (r: the root's position) scores the depth-1 drafts. The tree is then
     filled depth by depth as for hydra heads: the children of a node at depth
     d >= 1 are the top-k of the entry ``[f^ that drafted it; e(its token)]`` at
@@ -72,10 +73,9 @@ class EagleDrafter:
         self.cache = KVCache()
         self._committed = 0  # entries of verified positions in the cache
         self._next = None  # the position the next verified entry is for
+        self._backlog = Backlog()  # positions of steps drafted without the layer
 
-    def _commit(self, hidden, tokens):
-        # drop the last call's speculative entries, append those of the positions verified
-        # since; returns their outputs (P, H) and the root's position r
+    def _features(self, hidden):
         hidden = hidden.reshape(-1, hidden.shape[-1])
         width = (1 + len(self.fuse_layers)) * self.model.state_size
         if hidden.shape[-1] != width:
@@ -83,7 +83,19 @@ class EagleDrafter:
                 f"these eagle heads read {width}-wide features (the final hidden state and the inputs "
                 f"of layers {list(self.fuse_layers)}), got {hidden.shape[-1]}"
             )
-        P, r = hidden.shape[0], len(tokens) - 1
+        return hidden
+
+    def _record(self, hidden, tokens) -> None:
+        # a step drafted without the layer: its positions wait for the next drafted step
+        self._backlog.add(self._features(hidden), len(tokens) - 1)
+
+    def _commit(self, hidden, tokens):
+        # drop the last call's speculative entries, append those of the positions verified
+        # since (with the backlog's, in one call); returns their outputs (P, H) and the root's
+        # position r
+        r = len(tokens) - 1
+        hidden = self._backlog.take(self._features(hidden), r)
+        P = hidden.shape[0]
         if self._next != r - P:  # first call, or a gap: start over from these positions
             self._committed = 0
         if self.cache.offset > self._committed:
@@ -141,16 +153,19 @@ class EagleDrafter:
         """``hidden``: ``(P, H)`` (fused: ``(P, (1 + n) H)``) the backbone's features of
         the P positions verified since the last call (the prompt's at the first call),
         the root's parent last. ``max_depth=0`` only records them (a step drafted
-        without the layer); a call whose positions do not follow the last one's starts
-        a fresh cache. ``noise``: as for :class:`HeadsDrafter` (sampling).
+        without the layer: they wait in a :class:`~mlx_stream.drafters.base.Backlog` and
+        enter the layer's cache with the next drafted step's, in one call); a call whose
+        positions do not follow the last one's starts a fresh cache. ``noise``: as for
+        :class:`HeadsDrafter` (sampling).
 
         Raises:
             ValueError: ``hidden`` is not as wide as the heads' features."""
         draft = self.model.heads.eagle
-        out, r = self._commit(hidden, tokens)
         depth = self.tree.depth if max_depth is None else min(max_depth, self.tree.depth)
         if depth < 1:
+            self._record(hidden, tokens)
             return mx.zeros((0,), dtype=mx.int32)
+        out, r = self._commit(hidden, tokens)
         feats = out[-1:]  # (1, H): the feature that scores the root's children
         toks = mx.array([tokens[-1]], dtype=mx.int32)
         outs = []
@@ -276,10 +291,11 @@ class DynamicTreeDrafter(EagleDrafter):
     ) -> tuple[Tree, mx.array]:
         """This step's tree (at most ``max_depth`` deep; ``base=False``: root only, the
         verified positions still recorded) and its ``(N - 1,)`` int32 drafts, node order."""
-        out, r = self._commit(hidden, tokens)
         depth = min(self.depth, max_depth) if base else 0
         if depth < 1:
+            self._record(hidden, tokens)
             return no_drafts(), mx.zeros((0,), dtype=mx.int32)
+        out, r = self._commit(hidden, tokens)
         draft, k = self.model.heads.eagle, self.width
         toks, vals, pars, rks = [], [], [], []
         # depth 1: the root's children, scored by the last committed entry's output

@@ -7,13 +7,15 @@ docs/supported_models.md (and the rows as JSON beside it).
     python benchmarks/supported_models.py llama gpt2 # some
 
 Columns: **plain** greedy decoding through our loop equals plain ``mlx_lm.stream_generate``;
-**trees**: the load-time self-check found a draft tree's logits equal to sequential ones
-(and then a tree drafted by the target itself, greedy, equals mlx-lm); **draft model**: a
-perturbed copy drafting a chain of 3, greedy, equals mlx-lm; **heads**: fresh random stream
-heads drafting a tree, greedy, equals mlx-lm; **eagle**: a fresh EAGLE-3-style draft layer
-over the final state and two lower layers' inputs, drafting a dynamic tree, greedy, equals
-mlx-lm; **sampling**: seeded sampling (T = 0.7) with
-prompt lookup and the self-drafted tree equals seeded plain sampling. 24 tokens past a
+**chains**: a chain of 3 accepted in part (the target's own continuation, every third token
+wrong), greedy, equals mlx-lm; **trees**: the load-time self-check found a draft tree's
+logits equal to sequential ones (recurrent hybrids: also the state kept for a path, read on)
+and then a tree drafted by the target itself (hybrids: the partly wrong oracle), greedy,
+equals mlx-lm; **draft model**: a perturbed copy drafting a chain of 3, greedy, equals
+mlx-lm; **heads**: fresh random stream heads drafting a tree, greedy, equals mlx-lm;
+**eagle**: a fresh EAGLE-3-style draft layer over the final state and two lower layers'
+inputs, drafting a dynamic tree, greedy, equals mlx-lm; **sampling**: seeded sampling
+(T = 0.7) with prompt lookup and the drafted tree equals seeded plain sampling. 24 tokens past a
 sliding window of 4 where the model has one. "-": not reached (an earlier column failed).
 """
 
@@ -133,7 +135,7 @@ TINY = dict(
     scale_depth=1.0,
     scale_emb=2.0,
     num_attention_groups=2,
-    # recurrent layers (reported refused until issue 52)
+    # recurrent layers (issue 52: chains on hybrids)
     linear_num_value_heads=2,
     linear_num_key_heads=2,
     linear_key_head_dim=16,
@@ -163,6 +165,24 @@ TINY = dict(
 )
 
 
+# a type's own layer stack, where its ModelArgs need one spelled out
+LAYER_STACKS = {
+    "lfm2": {"layer_types": ["conv", "full_attention", "conv"]},
+    "lfm2_moe": {
+        "layer_types": ["conv", "full_attention", "conv"],
+        "use_expert_bias": False,
+        "num_dense_layers": 1,
+    },
+    "granitemoehybrid": {
+        "layer_types": ["mamba", "attention", "mamba"],
+        "mamba_n_heads": 4,
+        "mamba_d_head": 16,
+    }
+    | {"mamba_n_groups": 1, "mamba_conv_bias": True, "mamba_proj_bias": False},
+    "nemotron_h": {"hybrid_override_pattern": ["M", "*", "M"]},
+}
+
+
 def model_types() -> list[str]:
     import mlx_lm.models as pkg
 
@@ -180,6 +200,7 @@ def model_types() -> list[str]:
 def build(model_type: str, vocab: int, seed: int = 0, noise: float = 0.0):
     mod = importlib.import_module(f"mlx_lm.models.{model_type}")
     cfg = dict(TINY, model_type=model_type, vocab_size=vocab, vocab_size_per_layer_input=vocab)
+    cfg |= LAYER_STACKS.get(model_type, {})
     cfg["text_config"] = dict(cfg)  # vision-language wrappers: the text model's settings
     args = mod.ModelArgs.from_dict(cfg)
     mx.random.seed(seed)
@@ -220,8 +241,9 @@ def _failed(e: BaseException) -> str:
 
 def check(model_type: str, tok) -> dict:
     from mlx_stream import SpeculativeModel, load_draft
+    from mlx_stream.drafters import OracleDrafter
     from mlx_stream.heads import new_heads
-    from mlx_stream.tree import parse_tree
+    from mlx_stream.tree import chain, parse_tree
 
     row = {"type": model_type}
     vocab = len(tok.vocab)
@@ -245,8 +267,20 @@ def check(model_type: str, tok) -> dict:
     if off is not None:
         row["trees"] = f"off: {off}"
         return row
+    # recurrent hybrids: the self-drafter would run their recurrent layers beside the target's,
+    # so an oracle drafts for them: the target's own continuation, every 3rd token wrong
+    recurrent = getattr(model.family, "recurrent", False)
+    wrong = [t if i % 3 != 2 else (t + 1) % vocab for i, t in enumerate(ref)]
     tree = parse_tree("0;1;0,0;0,1;0,0,0", 3)
-    got, rs = ours(model, tok, ids, TOKENS, drafter=SelfDrafter(model, tree), adaptive=False)
+    got, _ = ours(
+        model, tok, ids, TOKENS, drafter=OracleDrafter(len(ids), wrong, chain(3), vocab), adaptive=False
+    )
+    row["chains"] = "yes" if same(model, ids, got, ref) else "DIFFERS"
+
+    def drafter():
+        return OracleDrafter(len(ids), wrong, tree, vocab) if recurrent else SelfDrafter(model, tree)
+
+    got, rs = ours(model, tok, ids, TOKENS, drafter=drafter(), adaptive=False)
     row["trees"] = "yes" if same(model, ids, got, ref) else "DIFFERS"
     try:
         draft = load_draft((build(model_type, vocab, noise=0.01), tok), model, tok, calibrate=False)
@@ -267,15 +301,13 @@ def check(model_type: str, tok) -> dict:
     except Exception as e:  # noqa: BLE001
         row["eagle"] = _failed(e)
     plain, _ = ours(model, tok, ids, TOKENS, temp=0.7, seed=5, prompt_lookup=0, adaptive=False)
-    drafted, _ = ours(
-        model, tok, ids, TOKENS, temp=0.7, seed=5, drafter=SelfDrafter(model, tree), adaptive=False
-    )
+    drafted, _ = ours(model, tok, ids, TOKENS, temp=0.7, seed=5, drafter=drafter(), adaptive=False)
     looked, _ = ours(model, tok, ids, TOKENS, temp=0.7, seed=5, prompt_lookup=2, adaptive=False)
     row["sampling"] = "yes" if plain == drafted == looked else "DIFFERS"
     return row
 
 
-COLUMNS = ("plain", "trees", "draft model", "heads", "eagle", "sampling")
+COLUMNS = ("plain", "chains", "trees", "draft model", "heads", "eagle", "sampling")
 
 
 def _split(v: str | None) -> tuple[str, str]:

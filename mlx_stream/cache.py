@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 SINK_TOKENS = 4  # mlx-lm's RotatingKVCache(max_kv_size, keep=4) in make_prompt_cache
 
@@ -312,14 +312,77 @@ class OwnCache:
         return 0
 
 
+class RecurrentCache(OwnCache):
+    """A recurrent layer's state (mlx-lm's ``ArraysCache``: a convolution window, a matrix
+    state), kept as mlx-lm keeps it, that also verifies draft trees exactly.
+
+    A step over a tree of N nodes runs the layer on N rows of the batch axis at once, row i
+    reading the path from the root to node i (:meth:`rows`): the state is broadcast to N
+    rows and ``lengths`` set to each path's length, which mlx-lm's recurrent layers honour
+    as they do for a batch of right-padded prompts (the convolution window taken at each
+    row's end, the recurrence masked past it). After one forward, row i holds the state
+    after node i's path (for a chain, row r the state after its first r + 1 tokens), so when
+    verification accepts a path :meth:`keep` selects the row of its last node: no replay, no
+    second forward. Each node's output, row i at its own depth, is what flows on to the next
+    layer (:class:`~mlx_stream.models.generic.Generic` wraps the layer's mixer).
+
+    Memory: N copies of the layer's state for one step, and the mixer reads N x N tokens
+    (N = the tree's nodes).
+    """
+
+    chain_rows = 0  # N while a step's rows are held, else 0
+
+    def rows(self, n: int, lengths: mx.array | None = None) -> None:
+        """Hold ``n`` rows for a step over ``n`` nodes; ``lengths`` int ``(n,)``: row i's
+        path length (its node's depth + 1; None: a chain, ``1..n``).
+
+        Raises:
+            ValueError: the cache holds no state yet (a step follows a prefill), or rows
+                already (the last step was not kept).
+        """
+        if self.chain_rows or any(c is None for c in self.cache):
+            raise ValueError("a draft step needs a recurrent state of one row (after the prefill, kept)")
+        self.cache = [mx.broadcast_to(c, (n,) + c.shape[1:]) for c in self.cache]
+        self.lengths = mx.arange(1, n + 1) if lengths is None else lengths
+        self.chain_rows = n
+
+    def keep(self, start: int, nodes: Sequence[int]) -> None:
+        """Keep the accepted path ``nodes`` (root first) of the step's tree: the state of
+        the row of its last node; outside a draft step, as :meth:`OwnCache.keep`.
+
+        Raises:
+            ValueError: ``nodes`` is empty, longer than the step, or names no node of it.
+        """
+        n, a = self.chain_rows, len(nodes)
+        if not n:
+            return super().keep(start, nodes)
+        if not 1 <= a <= n or not 0 <= nodes[-1] < n or start + n != self.tokens_read:
+            raise ValueError("a recurrent layer keeps a path of the tree it verified")
+        last = int(nodes[-1])
+        self.cache = [c[last : last + 1] for c in self.cache]
+        self.lengths, self.chain_rows, self.tokens_read = None, 0, start + a
+
+    def snapshot(self) -> tuple[list, int]:
+        """The state as it is (arrays are immutable: references, no copy) and the tokens read."""
+        return list(self.cache), self.tokens_read
+
+    def restore(self, snap: tuple[list, int]) -> None:
+        """Back to a :meth:`snapshot` (a draft model's state before drafts it did not keep);
+        a chain step's rows are dropped."""
+        self.cache, self.tokens_read = list(snap[0]), snap[1]
+        self.lengths, self.chain_rows = None, 0
+
+
 @functools.cache
-def _own_class(kind: type) -> type:
-    return type(kind.__name__, (OwnCache, kind), {})
+def _own_class(kind: type, base: type = OwnCache) -> type:
+    return type(kind.__name__, (base, kind), {})
 
 
 def own_cache(cache) -> OwnCache:
-    """``cache`` (a model's own cache object) as an :class:`OwnCache`, in place."""
-    cache.__class__ = _own_class(type(cache))
+    """``cache`` (a model's own cache object) as an :class:`OwnCache`, in place (a
+    :class:`RecurrentCache` for mlx-lm's ``ArraysCache``)."""
+    base = RecurrentCache if isinstance(cache, ArraysCache) else OwnCache
+    cache.__class__ = _own_class(type(cache), base)
     return cache
 
 
@@ -329,6 +392,18 @@ def cache_kinds(backbone) -> list:
     if hasattr(backbone, "make_cache"):
         return list(backbone.make_cache())
     return [KVCache() for _ in backbone.layers]
+
+
+def chain_kinds(backbone) -> bool:
+    """Whether every cache ``backbone`` asks for either keeps keys and values or is a
+    recurrent ``ArraysCache`` (a model that may verify chains: :class:`RecurrentCache`)."""
+    kinds = cache_kinds(backbone)
+    return all(
+        type(c).__name__ == "KVCache"
+        or (type(c).__name__ == "RotatingKVCache" and not c.keep)
+        or type(c) is ArraysCache
+        for c in kinds
+    )
 
 
 def unrewindable(backbone) -> str | None:
@@ -351,8 +426,10 @@ def make_tree_cache(backbone, max_kv_size: int | None = None) -> list:
     A sliding-window layer (mlx-lm's ``RotatingKVCache(window, keep=0)``) gets a
     :class:`WindowKVCache` of that window without sinks: its entries stay in order a little
     past the window (bounded memory) and the window is applied by the mask, so a rejected
-    draft can be rewound (mlx-lm's own rotating cache cannot trim once it wraps). Where
-    the model asks for caches that cannot be rewound (:func:`unrewindable`), every entry
+    draft can be rewound (mlx-lm's own rotating cache cannot trim once it wraps). A hybrid
+    whose other layers are recurrent (``ArraysCache``, :func:`chain_kinds`) keeps those as
+    :class:`RecurrentCache` (chains verified) beside rewindable attention caches. Where the
+    model asks for other caches that cannot be rewound (:func:`unrewindable`), every entry
     is the model's own cache (:class:`OwnCache`): plain decoding only.
 
     Raises:
@@ -364,7 +441,17 @@ def make_tree_cache(backbone, max_kv_size: int | None = None) -> list:
     if unrewindable(backbone) is not None:
         if max_kv_size is not None:
             raise ValueError("max_kv_size: this model builds caches of its own kind; leave out max_kv_size")
-        return [own_cache(c) for c in kinds]
+        if not chain_kinds(backbone):
+            return [own_cache(c) for c in kinds]
+        # a hybrid: recurrent layers' own caches (chains verified by rows), attention layers' rewindable
+        return [
+            own_cache(c)
+            if type(c) is ArraysCache
+            else WindowKVCache(c.max_size, keep=0)
+            if type(c).__name__ == "RotatingKVCache"
+            else TreeKVCache()
+            for c in kinds
+        ]
     if max_kv_size is not None:
         if "RotatingKVCache" in names:
             raise ValueError(
@@ -394,14 +481,14 @@ def attention_mask(cache: list, tree) -> mx.array | None:
     prefix: ``(N, S)`` bool (S = held entries + N), or None for a single node that sees
     everything. Over a full layer where the model mixes them with sliding-window ones
     (whose masks are narrowed from it by :class:`TreeMask`)."""
-    c = next((x for x in cache if not isinstance(x, WindowKVCache)), cache[0])
+    c = next((x for x in cache if not isinstance(x, (WindowKVCache, OwnCache))), cache[0])
     if isinstance(c, WindowKVCache):
         return c.tree_mask(tree.depths, tree.mask)
     n = tree.size
     if n == 1:
         return None
     # the tree's part is on the device already (Tree.arrays): nothing uploaded per step
-    return mx.concatenate([mx.ones((n, c.offset), dtype=mx.bool_), tree.arrays[1]], axis=1)
+    return mx.concatenate([mx.ones((n, tokens_in(c)), dtype=mx.bool_), tree.arrays[1]], axis=1)
 
 
 def can_rewind(cache: Sequence, length: int) -> bool:
@@ -433,6 +520,21 @@ def trim_cache(cache: Sequence[TreeKVCache], length: int) -> None:
     for c in cache:
         if tokens_in(c) > length:
             c.trim(tokens_in(c) - length)
+
+
+def mark(cache: Sequence) -> list:
+    """What :func:`rewind` needs to bring ``cache`` back to where it is now: each recurrent
+    layer's :meth:`RecurrentCache.snapshot` (None for the layers that trim)."""
+    return [c.snapshot() if isinstance(c, RecurrentCache) else None for c in cache]
+
+
+def rewind(cache: Sequence, length: int, marks: list) -> None:
+    """Back to ``length`` tokens, where :func:`mark` was taken: recurrent layers restored,
+    the others trimmed (timing loops that run forwards and drop them)."""
+    for c, m in zip(cache, marks):
+        if m is not None:
+            c.restore(m)
+    trim_cache(cache, length)
 
 
 def keep_path(cache: Sequence[TreeKVCache], start: int, nodes: Sequence[int]) -> None:

@@ -142,12 +142,13 @@ def _agreement(backbone, targets: list[mx.array], seqs) -> float:
 
 
 def _forward_ms(backbone, context: int = 256, repeats: int = 5, nodes: int = 1) -> float:
-    from .cache import make_tree_cache, trim_cache
+    from .cache import make_tree_cache, mark, rewind
     from .models import family
 
     fam = family(backbone)
     cache = make_tree_cache(backbone)
     fam.prefill_hidden(backbone, mx.zeros((context,), dtype=mx.int32), cache)
+    marks = mark(cache)
     tokens, positions = mx.zeros((nodes,), dtype=mx.int32), mx.full((nodes,), context, dtype=mx.int32)
     mask = None if nodes == 1 else mx.ones((nodes, context + nodes), dtype=mx.bool_)
     runs = []
@@ -156,7 +157,7 @@ def _forward_ms(backbone, context: int = 256, repeats: int = 5, nodes: int = 1) 
         h, _ = fam.tree_hidden(backbone, tokens, positions, mask, cache)
         mx.eval(fam.project(backbone, h))
         runs.append(time.perf_counter() - tic)
-        trim_cache(cache, context)
+        rewind(cache, context, marks)
     return 1e3 * statistics.median(runs[1:])
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .cache import make_tree_cache, trim_cache
+from .cache import make_tree_cache, mark, rewind
 from .drafters.stream_heads import HeadsDrafter
 from .models import text_args
 from .tree import Tree, chain
@@ -154,6 +154,7 @@ def forward_cost(
     fam, bb = model.family, model.backbone
     cache = make_tree_cache(bb)
     fam.prefill_hidden(bb, mx.zeros((context,), dtype=mx.int32), cache)
+    marks = mark(cache)
     sizes = sorted(sizes)
     runs: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(repeats + 1):
@@ -169,7 +170,7 @@ def forward_cost(
             mx.eval(fam.project(bb, h))
             if r:  # the first round warms up
                 runs[n].append(time.perf_counter() - tic)
-            trim_cache(cache, context)
+            rewind(cache, context, marks)
     times, worst = {}, 0.0
     for n in sizes:
         worst = max(worst, statistics.median(runs[n]))

@@ -146,6 +146,15 @@ class PromptCache:
             n += 1
         return n
 
+    def drop_to(self, length: int) -> None:
+        """Drop the entries past ``length`` tokens (a step launched and not kept); where a
+        layer cannot (a recurrent state that has read them), forget everything instead:
+        the next call prefills from nothing, as a fresh cache would."""
+        if can_rewind(self.layers, length):
+            trim_cache(self.layers, length)
+        else:
+            self.reset()
+
     def reuse(self, ids: Sequence[int], quantized_kv_start: int | None = None) -> int:
         """Trim the cache to its longest common prefix with ``ids``, leaving at least
         one token of ``ids`` to prefill. Returns the number of tokens reused.
@@ -529,8 +538,9 @@ def stream_generate(
         response = _response(step, delta, kept, reason, emitter, len(ids), reused, prompt_tps, n_fwd, tic)
         if reason is not None:
             if in_flight is not None:  # its forward wrote the root's keys/values (and its drafts')
-                trim_cache(cache.layers, len(cache.tokens) + 1)
-                cache.tokens.append(step.next_token)
+                cache.drop_to(len(cache.tokens) + 1)
+                if cache.tokens:  # (not forgotten: a recurrent state that read the drafts)
+                    cache.tokens.append(step.next_token)
             if model.datastore is not None:  # the answer joins the store of past answers
                 model.datastore.remember(emitter.tokens)
             yield response
@@ -550,7 +560,7 @@ def stream_generate(
         try:
             yield response
         except GeneratorExit:  # closed by the caller: drop the launched steps' keys/values
-            trim_cache(cache.layers, len(cache.tokens))
+            cache.drop_to(len(cache.tokens))
             raise
         paused = time.perf_counter() - paused
         step = pipe.finish(in_flight, ahead)

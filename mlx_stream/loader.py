@@ -425,7 +425,8 @@ def load_draft(
         return draft
     if isinstance(spec, tuple) and len(spec) == 2:
         backbone, draft_tok = spec
-        backbone = getattr(backbone, "backbone", backbone)
+        if isinstance(backbone, SpeculativeModel):  # (an mlx-lm Mamba's own ``.backbone`` is its inner model)
+            backbone = backbone.backbone
         name = type(backbone).__name__
     elif isinstance(spec, (str, Path)):
         path = resolve_model_path(spec)

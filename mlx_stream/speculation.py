@@ -22,7 +22,7 @@ model + heads + device and cached; the choice from them is cheap and made anew.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .budget import BudgetDrafter, head_values
@@ -276,6 +276,15 @@ def plan_drafting(
         raise ValueError(
             f"this model decodes plainly only: {off}; leave out heads, draft_model and prompt_lookup"
         )
+    if (
+        tree is None
+        and model.heads is not None
+        and draft_model is None
+        and getattr(model.family, "recurrent", False)
+    ):
+        # a recurrent hybrid's tree step reads N x N tokens in each recurrent mixer (one row per
+        # node's path): the heads' chain unless a tree is asked for (docs/benchmarks.md)
+        tree = f"chain:{model.heads.num_heads}"
     heads = model.heads
     if store is None:
         store = getattr(model, "datastore", None)
@@ -285,7 +294,11 @@ def plan_drafting(
         prompt_lookup = PROMPT_LOOKUP if drafts else 0
     common = {"prompt_lookup": prompt_lookup, "store": store, "spec": tree}
     if draft_model is not None:
-        return _draft_model_plan(draft_model, tree, num_draft_tokens, common)
+        plan = _draft_model_plan(draft_model, tree, num_draft_tokens, common)
+        hybrid = getattr(model.family, "recurrent", False) and tree is None  # (a tree step reads N x N there)
+        if (draft_model.recurrent or hybrid) and plan.kind == "draft":  # its tree's depth, as a chain
+            plan = replace(plan, budget=plan.depth + 1, width=1, expand=1)
+        return plan
     if num_draft_tokens is not None:
         raise ValueError("num_draft_tokens sets a draft model's chain: pass draft_model too")
     if heads is not None and heads.config.architecture == "dflash" and (is_budget(tree) or is_auto(tree)):

@@ -446,6 +446,8 @@ class StepPipeline:
         self.reads_path = getattr(drafter, "reads_path", False)  # eagle heads read every verified position
         self.pipelined = verify.verifier is None and kv.max_kv_size is None and queues_steps(drafter)
         self.windowed = getattr(model.family, "windowed", False)
+        # recurrent hybrids: no step queued behind a drafted one (its rows await the host's pick)
+        self.recurrent = getattr(model.family, "recurrent", False)
         self.chain_offsets = getattr(model.family, "CHAIN_OFFSETS", False)
         self.queued = queued_drafter(drafter) if self.pipelined else None
         self._decided: bool | None = None  # the policy's choice for the next step, when asked early
@@ -500,7 +502,7 @@ class StepPipeline:
         whatever ``prev`` emits; rooted at prev's (lazy) next token and drafted from the
         hidden state at prev's (lazy) last accepted node. None where it must wait."""
         spare = depth - prev.tree.depth - 1
-        if prev.last is None or spare < 0 or (self.windowed and prev.tree.size > 1):
+        if prev.last is None or spare < 0 or ((self.windowed or self.recurrent) and prev.tree.size > 1):
             return None  # (a sliding window's mask needs the positions of prev's entries)
         on = spare >= 1 and (self.policy is None or self.policy.use_drafts())
         tree = queued_tree(self.drafter, self.queued, tokens, spare, on)

@@ -399,14 +399,15 @@ RECURRENT = {
 
 
 @pytest.mark.parametrize("model_type", RECURRENT)
-def test_recurrent_models_decode_plainly_and_refuse_drafting_in_one_line(model_type, tok):
-    """Layers with a recurrent state (Gated DeltaNet, Mamba-2) cannot take a rejected draft
-    back: such a model still decodes through our loop with its own caches, equal to plain
-    mlx-lm (greedy, and seeded sampling repeating itself), a chat reuses its cache across
-    turns, and drafting is refused naming why."""
+def test_recurrent_models_decode_plainly_and_reuse_their_state(model_type, tok):
+    """Layers with a recurrent state (Gated DeltaNet, Mamba-2) cannot be trimmed: such a
+    model decodes through our loop with its own recurrent caches, equal to plain mlx-lm
+    (greedy, and seeded sampling repeating itself), a prompt that continues the cache reuses
+    its state, one that departs from it starts over, and a chat runs turn after turn
+    (drafting on them: tests/test_hybrids.py)."""
     from helpers import assert_greedy_identical, mlx_lm_greedy, ours
 
-    from mlx_stream import ChatSession, PromptCache, SpeculativeModel, stream_generate
+    from mlx_stream import ChatSession, PromptCache, SpeculativeModel
 
     mod = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(1)
@@ -417,7 +418,7 @@ def test_recurrent_models_decode_plainly_and_refuse_drafting_in_one_line(model_t
     )
     backbone.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, backbone.parameters()))
     model = SpeculativeModel(backbone)
-    assert "plain decoding only" in model.family.trees
+    assert model.family.recurrent and model.family.trees is None  # drafts verified by rows
     ids = tok.encode(PROMPT)
     got, _ = ours(model, tok, ids, 48)
     assert assert_greedy_identical(model, ids, got, mlx_lm_greedy(backbone, tok, ids, 48)) in ("equal", "tie")
@@ -439,6 +440,27 @@ def test_recurrent_models_decode_plainly_and_refuse_drafting_in_one_line(model_t
     for turn in ("Hello there", "And again"):
         assert list(chat.send(turn))
     assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 2
+
+
+def test_a_recurrent_model_that_ignores_its_caches_lengths_decodes_plainly_only(tok):
+    """mlx-lm's Mamba (v1) advances its state over every token of a call (no ``lengths``):
+    the load-time check finds a tree's logits off, so it decodes plainly, equal to mlx-lm,
+    and drafting is refused in one line naming why."""
+    from helpers import assert_greedy_identical, mlx_lm_greedy, ours
+
+    from mlx_stream import SpeculativeModel, stream_generate
+
+    mod = importlib.import_module("mlx_lm.models.mamba")
+    mx.random.seed(1)
+    args = dict(BASE, model_type="mamba", vocab_size=len(tok.vocab)) | RECURRENT["mamba2"]
+    args |= dict(intermediate_size=128, conv_kernel=4, use_conv_bias=True, time_step_rank=8, use_bias=False)
+    backbone = mod.Model(mod.ModelArgs.from_dict(args))
+    backbone.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, backbone.parameters()))
+    model = SpeculativeModel(backbone)
+    assert not model.family.recurrent and "does not honour its cache's lengths" in model.family.trees
+    ids = tok.encode(PROMPT)
+    got, _ = ours(model, tok, ids, 24)
+    assert assert_greedy_identical(model, ids, got, mlx_lm_greedy(backbone, tok, ids, 24)) in ("equal", "tie")
     with pytest.raises(ValueError, match="decodes plainly only: this model uses ArraysCache"):
         next(stream_generate(model, tok, PROMPT, prompt_lookup=2))
 

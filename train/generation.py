@@ -98,6 +98,21 @@ class _Rows:
         return i, Generated(self.tokens.pop(i), hidden, reason, lp, ids)
 
 
+def _batch_caches(backbone, left_padding: list[int]) -> list:
+    # mlx-lm's batch caches for left-padded rows: a recurrent layer's ArraysCache (its mask
+    # keeps the padding out of the state), a BatchKVCache for every other layer
+    from mlx_lm.models.cache import ArraysCache, BatchKVCache
+
+    from mlx_stream.cache import cache_kinds
+
+    return [
+        ArraysCache(len(c.cache), left_padding=left_padding)
+        if type(c) is ArraysCache
+        else BatchKVCache(left_padding)
+        for c in cache_kinds(backbone)
+    ]
+
+
 def generate_batch(
     model,
     prompts: Sequence[Sequence[int]],
@@ -138,8 +153,6 @@ def generate_batch(
         ValueError: an empty prompt, ``max_tokens``, ``batch_size`` or
             ``prefill_chunk`` below 1, or ``top_k`` outside ``[0, V]``.
     """
-    from mlx_lm.models.cache import BatchKVCache
-
     if min(max_tokens, batch_size, prefill_chunk) < 1:
         raise ValueError(
             f"max_tokens, batch_size and prefill_chunk must be >= 1, got {max_tokens}, {batch_size} "
@@ -165,7 +178,7 @@ def generate_batch(
         lengths = [len(prompts[i]) for i in idx]
         width = max(lengths)
         x = mx.array([[0] * (width - n) + list(prompts[i]) for n, i in zip(lengths, idx)])
-        cache = [BatchKVCache([width - n for n in lengths]) for _ in bb.layers]
+        cache = _batch_caches(bb, [width - n for n in lengths])
         for s in range(0, width, prefill_chunk):
             h = bb.model(x[:, s : s + prefill_chunk], cache=cache)[:, -1]
             mx.eval(h, [c.state for c in cache])

@@ -130,6 +130,8 @@ class DraftModel:
         from ..models import family
 
         self.backbone, self.family, self.vocab, self.name = backbone, family(backbone), vocab, name
+        # a recurrent hybrid drafts chains, one token a forward (DraftCache keeps its states)
+        self.recurrent = getattr(self.family, "recurrent", False)
         if getattr(self.family, "trees", None) is not None:
             raise ValueError(f"{name} cannot draft: {self.family.trees}")
         self.depth: int | None = None
@@ -190,6 +192,8 @@ class DraftCache:
         self._pending: list[tuple[list[int] | mx.array, mx.array]] = []
         self.fed = 0  # tokens the last sync fed the draft
         self.catch_up = 0.0  # seconds per token of a prefill (measured on the prompt), 0: not yet
+        # a recurrent draft: its recurrent layers' states before and after each speculative entry
+        self._states: list[list] = []
 
     def sync(self, tokens: Sequence[int], step_size: int = 2048) -> mx.array:
         """Make the cache hold exactly ``tokens`` (reusing its common prefix with them and
@@ -205,11 +209,16 @@ class DraftCache:
             n += 1
         if n < len(self.tokens) and not can_rewind(self.layers, n):  # a sliding window moved past n
             self.layers, self.tokens, self._pending, n = make_tree_cache(d.backbone), [], [], 0
+            self._states = []
         if n == len(self.tokens) and self._pending:
             path = self._accepted_path(tokens[n : len(tokens) - 1])
+            if self._states:  # a recurrent draft's chain: the state after the accepted entries
+                self._restore(len(path))
             keep_path(self.layers, n, path)  # the accepted entries into slots n.., the rest dropped
             n += len(path)
         else:
+            if self._states:
+                self._restore(0)
             trim_cache(self.layers, n)
         self._pending = []
         rest = list(tokens[n:])
@@ -252,15 +261,37 @@ class DraftCache:
         of :attr:`tokens`), so that :meth:`sync` can keep the accepted ones (None: never
         kept)."""
         d = self.draft
+        if d.recurrent:
+            if tokens.shape[0] != 1:
+                raise ValueError("a recurrent draft model drafts chains: one entry a forward")
+            if not self._states:
+                self._states.append(self._recurrent_states())
         logits, _, _ = d.family.tree_forward(d.backbone, tokens, positions, mask, self.layers)
         n = tokens.shape[0]
         self._pending.append(([-3] * n if parents is None else parents, tokens))
+        if d.recurrent:
+            self._states.append(self._recurrent_states())
         return logits[:, : d.vocab]
+
+    def _recurrent_states(self) -> list:
+        from ..cache import RecurrentCache
+
+        return [c.snapshot() for c in self.layers if isinstance(c, RecurrentCache)]
+
+    def _restore(self, kept: int) -> None:
+        # a recurrent draft's layers back to the state after ``kept`` speculative entries (a chain)
+        from ..cache import RecurrentCache
+
+        for c, snap in zip((c for c in self.layers if isinstance(c, RecurrentCache)), self._states[kept]):
+            c.restore(snap)
+        self._states = []
 
     def rewind(self) -> None:
         """Drop the speculative entries (the cache holds :attr:`tokens` again)."""
         from ..cache import trim_cache
 
+        if self._states:
+            self._restore(0)
         trim_cache(self.layers, len(self.tokens))
         self._pending = []
 

@@ -32,7 +32,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..cache import OwnCache, cache_kinds, make_tree_cache, unrewindable
+from ..cache import (
+    OwnCache,
+    RecurrentCache,
+    cache_kinds,
+    chain_kinds,
+    keep_path,
+    make_tree_cache,
+    unrewindable,
+)
 from .args import text_args
 
 FAMILY: tuple[str, ...] = ()  # chosen by models.family for every type without a module of its own
@@ -212,14 +220,30 @@ class Generic:
 
     def __init__(self, backbone: nn.Module):
         kinds = cache_kinds(backbone)
-        own = unrewindable(backbone)  # recurrent layers: the model's own caches, plain decoding
-        self.windowed = own is None and any(type(c).__name__ == "RotatingKVCache" for c in kinds)
+        own = unrewindable(backbone)  # recurrent layers: the model's own caches
+        hybrid = own is not None and chain_kinds(backbone)  # recurrent layers beside attention: rows
+        self.windowed = (own is None or hybrid) and any(type(c).__name__ == "RotatingKVCache" for c in kinds)
         self.vocab = int(text_args(backbone).vocab_size)
         self._ropes = rope_slots(backbone)  # (found once per model: a tree step swaps them)
         self._layer_slots: dict[tuple[int, ...], list] = {}
         self.output, self.embedding, self._width = self._probe(backbone, check_windows=own is None)
         self.trees: str | None = None
-        self.trees = f"{own}: plain decoding only" if own else self.self_check(backbone)
+        self.recurrent = False  # recurrent layers verified by rows (RecurrentCache)
+        self._mixers: list = []
+        if not own:
+            self.trees = self.self_check(backbone)
+        elif not hybrid:
+            self.trees = f"{own}: plain decoding only"
+        else:
+            self._mixers = self._find_mixers(backbone)
+            self.recurrent = True
+            why = (
+                self.self_check(backbone)
+                if self._mixers
+                else "no recurrent mixer found to verify drafts through"
+            )
+            if why is not None:
+                self.recurrent, self.trees = False, f"{own}: plain decoding only ({why})"
 
     # -- finding the model's own modules
 
@@ -251,6 +275,26 @@ class Generic:
             return None, embedding, None
         last = order[-1]
         return cands[last][0], embedding, int(boxes[last][-1].shape[-1])
+
+    def _find_mixers(self, backbone) -> list[tuple[nn.Module, str]]:
+        # (parent, key) of each decoder layer's child module that is handed a recurrent cache
+        # (its mixer: Gated DeltaNet, Mamba, a short convolution), found by one token's forward
+        children = [
+            (layer, k) for layer in backbone.layers for k, v in layer.items() if isinstance(v, nn.Module)
+        ]
+        got: list = []
+
+        def make(i, inner):
+            def note(*args, **kwargs):
+                if any(isinstance(a, RecurrentCache) for a in (*args, *kwargs.values())):
+                    got.append(children[i])
+                return inner(*args, **kwargs)
+
+            return _Called(inner, note)
+
+        with _swapped(children, make):
+            backbone(mx.array([[0]]), cache=make_tree_cache(backbone))
+        return got
 
     def _module(self, backbone, path: str):
         m, k = _slot(backbone, path)
@@ -312,16 +356,43 @@ class Generic:
         """
         if tokens.shape[0] > 1 and self.trees is not None:
             raise ValueError(f"draft trees are off for this model: {self.trees}")
-        if self.trees is not None:  # one node at the cache's end: the model's own positions and masks
-            return self._run(backbone, tokens, cache, capture)
+        if self.trees is not None or tokens.shape[0] == 1 and self.recurrent:
+            return self._run(backbone, tokens, cache, capture)  # one node at the cache's end: the model's own
         for c in cache:
             c.tree = (mask, positions)
         try:
-            with node_positions(backbone, positions, self._ropes):
+            with (
+                node_positions(backbone, positions, self._ropes),
+                self._recurrent_rows(tokens.shape[0], mask, cache),
+            ):
                 return self._run(backbone, tokens, cache, capture)
         finally:
             for c in cache:
                 c.tree = None
+
+    @contextmanager
+    def _recurrent_rows(self, n: int, mask, cache) -> Iterator[None]:
+        # a recurrent hybrid's tree of n nodes: each recurrent layer's mixer runs n rows, row i
+        # the path from the root to node i (gathered from the tree's ancestor mask: the mask's
+        # last n columns), padded to n and cut by its cache's lengths; node i's output is row i
+        # at its own depth (RecurrentCache.rows; keep_path later selects the accepted row)
+        if not self.recurrent:
+            yield
+            return
+        anc = mx.tril(mx.ones((n, n), dtype=mx.bool_)) if mask is None else mask[:, -n:]
+        depth = anc.sum(axis=-1).astype(mx.int32) - 1
+        at = anc[:, None, :] & (depth[None, None, :] == mx.arange(n)[None, :, None])  # (node, t, j)
+        paths = mx.argmax(at, axis=-1)  # (n, n): node i's ancestor at depth t (0 past its depth)
+        for c in cache:
+            if isinstance(c, RecurrentCache):
+                c.rows(n, depth + 1)
+        rows = mx.arange(n)
+
+        def wrap(i, mixer):
+            return _Called(mixer, lambda x, *a, **k: mixer(x[0][paths], *a, **k)[rows, depth][None])
+
+        with _swapped(self._mixers, wrap):
+            yield
 
     def tree_hidden(self, backbone, tokens, positions, mask, cache, capture=None):
         """``(hidden, mid)`` of :meth:`tree_forward`."""
@@ -387,7 +458,7 @@ class Generic:
         way (learned position embeddings, its own rotation): trees are off for it even
         where a random model hides the difference.
         """
-        if not self._ropes:
+        if not self._ropes and not self.recurrent:  # (a recurrent layer reads no positions)
             return (
                 f"{type(backbone).__module__} has no rotary embedding module to position tree nodes through "
                 "(learned or hand-computed positions)"
@@ -403,7 +474,7 @@ class Generic:
             anc[i] |= anc[parents[i]]
         try:
             cache = make_tree_cache(backbone)
-            backbone(mx.array(prefix)[None], cache=cache)
+            self._run(backbone, mx.array(prefix), cache, None)
             n = len(prefix)
             mask = mx.concatenate([mx.ones((4, n), dtype=mx.bool_), mx.array(anc)], axis=1)
             saved, self.trees = self.trees, None
@@ -411,14 +482,17 @@ class Generic:
                 got = self.tree_forward(
                     backbone, mx.array(tokens), mx.array(n + depths, dtype=mx.int32), mask, cache
                 )[0]
+                paths = [prefix + [t for t, a in zip(tokens, anc[i]) if a] for i in range(4)]
+                if self.recurrent:  # the state kept for the path root -> second child, read on by one more
+                    keep_path(cache, n, [0, 2])
+                    more = self.tree_forward(backbone, mx.array(tokens[3:]), mx.array([n + 2]), None, cache)[
+                        0
+                    ]
+                    got = mx.concatenate([got, more])
+                    paths.append(prefix + [tokens[0], tokens[2], tokens[3]])
             finally:
                 self.trees = saved
-            want = mx.stack(
-                [
-                    backbone(mx.array(prefix + [t for t, a in zip(tokens, anc[i]) if a])[None])[0, -1]
-                    for i in range(4)
-                ]
-            )
+            want = mx.stack([backbone(mx.array(p)[None])[0, -1] for p in paths])
             got, want = got.astype(mx.float32), want.astype(mx.float32)
             mx.eval(got, want)
         except Exception as e:  # noqa: BLE001  any failure of the substituted forward means no trees
@@ -428,11 +502,33 @@ class Generic:
         scale = float(mx.abs(want).max()) or 1.0
         err = float(mx.abs(got - want).max()) / scale
         if err > atol or (got.argmax(-1) != want.argmax(-1)).any().item():
+            how = (
+                "a recurrent layer that does not honour its cache's lengths, or positions or masks "
+                "that bypass rope/make_mask"
+                if self.recurrent
+                else "positions or masks that bypass rope/make_mask"
+            )
             return (
                 f"a draft tree's logits differ from sequential decoding by {err:.2g} of their scale in "
-                f"{type(backbone).__module__} (positions or masks that bypass rope/make_mask)"
+                f"{type(backbone).__module__} ({how})"
             )
         return None
+
+
+class _Called(nn.Module):
+    # a module called through ``fn`` (the wrapped module's attributes still read through)
+    def __init__(self, inner: nn.Module, fn):
+        super().__init__()
+        self.inner = inner
+        object.__setattr__(self, "_fn", fn)
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name in self or "inner" not in self:
+            return super().__getattr__(name)
+        return getattr(self["inner"], name)
 
 
 def _captured(capture) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .adaptive import SpeculationPolicy
-from .cache import TreeQuantizedKVCache, cache_offset, can_rewind, make_tree_cache, trim_cache
+from .cache import TreeQuantizedKVCache, cache_offset, can_rewind, keep_path, make_tree_cache, trim_cache
 from .checks import require_drafter, require_int, require_tokenizer, require_unicode
 from .drafters.base import Drafter, NoDrafter
 from .model import require_model
@@ -537,10 +537,11 @@ def stream_generate(
         delta, kept, reason = emitter.push(step.emitted, out_of_room=room is not None and room <= 0)
         response = _response(step, delta, kept, reason, emitter, len(ids), reused, prompt_tps, n_fwd, tic)
         if reason is not None:
-            if in_flight is not None:  # its forward wrote the root's keys/values (and its drafts')
-                cache.drop_to(len(cache.tokens) + 1)
-                if cache.tokens:  # (not forgotten: a recurrent state that read the drafts)
-                    cache.tokens.append(step.next_token)
+            if (
+                in_flight is not None
+            ):  # its forward wrote the root's entries (and its drafts'): the root's kept
+                keep_path(cache.layers, in_flight.start, [0])  # (a recurrent layer: the root's row)
+                cache.tokens.append(step.next_token)
             if model.datastore is not None:  # the answer joins the store of past answers
                 model.datastore.remember(emitter.tokens)
             yield response

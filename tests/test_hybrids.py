@@ -225,6 +225,29 @@ def test_chat_turns_on_a_hybrid_with_a_draft_model_equal_plain_chat_turns(tok):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_next", "lfm2"])
+def test_a_prompt_that_continues_a_drafted_generation_reuses_its_state(model_type, tok):
+    """After a generation drafted by a draft model (its last step's drafts dropped, the root's
+    row kept), a prompt that continues the cached tokens prefills only what is new, and its
+    output is still plain mlx-lm's."""
+    from mlx_stream import PromptCache
+
+    V = len(tok.vocab)
+    model = SpeculativeModel(hybrid(model_type, V))
+    draft = load_draft((hybrid(model_type, V, noise=0.01), tok), model, tok, calibrate=False)
+    pc = PromptCache(model)
+    ids, held = tok.encode(PROMPT), []
+    for _ in range(3):
+        got, rs = ours(model, tok, ids, 20, prompt_cache=pc, draft_model=draft, num_draft_tokens=3)
+        assert rs[-1].cached_tokens == len(held)  # all the cached tokens reused (none the first time)
+        want = mlx_lm_greedy(model.backbone, tok, ids, 20)
+        assert assert_greedy_identical(model, ids, got, want) == "equal"
+        assert sum(r.accepted for r in rs) > 0
+        held = list(pc.tokens)
+        assert held == ids + got[:-1]  # (the last token is the next step's root, not yet cached)
+        ids = held + tok.encode(" and again")
+
+
 def write_hybrid_dir(path, tiny_dir, model_type="qwen3_next"):
     """The hybrid as an mlx-lm model folder (config, weights, the tiny tokenizer)."""
     vocab = len(load(str(tiny_dir), heads=None)[1].vocab)

@@ -330,3 +330,127 @@ def test_sampling_with_mtp_follows_the_plain_distribution(tiny_dir, tmp_path):
     print(f"\nDeepSeek-V3 MTP, chain of 3, T=0.7, top_p=0.9: chi2 {stat:.1f}, dof {dof}, p {p:.3f}")
     assert len(bins) >= 20
     assert p > 0.01, f"sampling with MTP differs from plain sampling (chi2 {stat:.1f}, p {p:.2e})"
+
+
+# --- Qwen3-Next's layout: ``mtp.*`` beside a recurrent hybrid ------------------------------
+
+QWEN_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+
+
+def write_qwen3_next_checkpoint(path, tok_dir, seed: int = 0):
+    """A tiny Qwen3-Next target (Gated DeltaNet and full-attention layers, MoE) and its MTP
+    module in the published layout: ``mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc,
+    norm}`` and a full-attention decoder layer under ``mtp.layers.0.`` in Hugging Face naming
+    (experts unstacked, zero-centred norms: the checkpoint stores w where the model scales by
+    1 + w). Returns (folder, the module's norms and fc as the model applies them, its block
+    in mlx-lm's naming, the target)."""
+    from test_any_model import RECURRENT
+
+    mod = importlib.import_module("mlx_lm.models.qwen3_next")
+    path.mkdir(parents=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / f, path / f)
+    V = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
+    cfg = dict(BASE, model_type="qwen3_next", vocab_size=V) | RECURRENT["qwen3_next"]
+    args = mod.ModelArgs.from_dict(cfg)
+    mx.random.seed(seed)
+    target = mod.Model(args)
+    at = max(i for i in range(args.num_hidden_layers) if (i + 1) % args.full_attention_interval == 0)
+    block = mod.Qwen3NextDecoderLayer(args, at)
+    for m in (target, block):
+        m.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, m.parameters()))
+    mx.eval(target.parameters(), block.parameters())
+    rng = np.random.default_rng(seed)
+    H = BASE["hidden_size"]
+    stored = {n: mx.array(0.1 * rng.standard_normal(H), dtype=mx.float32) for n in ("e", "h", "o")}
+    fc = mx.array(rng.standard_normal((H, 2 * H)) / np.sqrt(2 * H), dtype=mx.float32)
+    hf_block = _hf_block(dict(tree_flatten(block.parameters())), args)
+    mtp = {
+        "mtp.layers.0." + k: (v - 1.0 if ("." + k).endswith(QWEN_NORMS) else v) for k, v in hf_block.items()
+    }
+    mtp |= {
+        "mtp.pre_fc_norm_embedding.weight": stored["e"],
+        "mtp.pre_fc_norm_hidden.weight": stored["h"],
+        "mtp.norm.weight": stored["o"],
+        "mtp.fc.weight": fc,
+    }
+    # (the target in mlx-lm's naming, which its sanitize passes as it is; the module in a file
+    # mlx-lm's model*.safetensors glob skips, as a converted folder would not have it)
+    files = {
+        "model-00001-of-00001.safetensors": dict(tree_flatten(target.parameters())),
+        "mtp.safetensors": mtp,
+    }
+    for name, w in files.items():
+        mx.save_safetensors(str(path / name), w)
+    wmap = {k: name for name, w in files.items() for k in w}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+    (path / "config.json").write_text(json.dumps(cfg | {"mtp_num_hidden_layers": 1, "eos_token_id": 0}))
+    applied = {"enorm": 1.0 + stored["e"], "hnorm": 1.0 + stored["h"], "norm": 1.0 + stored["o"], "fc": fc}
+    return path, applied, block, target
+
+
+@pytest.fixture(scope="module")
+def qwen_ckpt(tiny_dir, tmp_path_factory):
+    return write_qwen3_next_checkpoint(tmp_path_factory.mktemp("qwen") / "qwen3_next", tiny_dir)
+
+
+def test_qwen3_next_mtp_drafts_equal_a_sequential_reference(qwen_ckpt):
+    """Qwen3-Next's own MTP module over its hybrid target: the drafted logits at every step
+    equal the published definition computed sequentially (fc over [norm_e(e); norm_h(h)], the
+    full-attention block, norm, the target's head), depth after depth."""
+    path, w, block, target = qwen_ckpt
+    model, tok = load(str(path), heads="mtp", dtype="float32")
+    assert model.family.recurrent and model.heads.config.mtp["layer_class"] == "Qwen3NextDecoderLayer"
+    ids = tok.encode("The quick brown fox jumps over")
+    hs = model.family.prefill_hidden(model.backbone, mx.array(ids), make_tree_cache(model.backbone))[0]
+    np.testing.assert_allclose(np.array(hs), np.array(target.model(mx.array([ids]))[0]), atol=1e-4)
+    root = int(mx.argmax(target.lm_head(hs[-1])).item())
+    drafter = EagleDrafter(model, chain(3))
+    seen, real = [], drafter._logits
+    drafter._logits = lambda f: seen.append(real(f)) or seen[-1]
+    drafts = drafter.draft(hs, ids + [root]).tolist()
+    eps = BASE["rms_norm_eps"]
+    toks, ctx, worst = ids[1:] + [root], hs, 0.0
+    for d in range(3):
+        e = target.model.embed_tokens(mx.array(toks))
+        z = mx.concatenate([mx.fast.rms_norm(e, w["enorm"], eps), mx.fast.rms_norm(ctx, w["hnorm"], eps)], -1)
+        T = z.shape[0]
+        h = block((z @ w["fc"].T)[None], mx.tril(mx.ones((T, T), dtype=mx.bool_)), None)[0]
+        want = np.array(target.lm_head(mx.fast.rms_norm(h, w["norm"], eps))[-1])
+        got = np.array(seen[d]).reshape(-1)
+        worst = max(worst, float(np.abs(got - want).max()))
+        assert drafts[d] == int(np.argmax(want)), d
+        ctx, toks = mx.concatenate([ctx, h[-1:]]), toks + [drafts[d]]
+    print(f"\nqwen3_next: max |dlogit| over 3 MTP drafting steps {worst:.2e}")
+    assert worst < 1e-3 * max(1.0, float(np.abs(want).max())), worst
+
+
+def test_qwen3_next_mtp_drafts_losslessly_and_fine_tunes(qwen_ckpt, tmp_path):
+    """Fitted to its target, the module's chains on the hybrid are accepted in part and the
+    output stays plain mlx-lm's (greedy) and seeded plain sampling; `mlx-stream train
+    --init-heads mtp` fine-tunes it from its own weights."""
+    from test_cli import run
+
+    path = qwen_ckpt[0]
+    plain, tok = load(str(path), heads=None, dtype="float32")
+    model, _ = load(str(path), heads="mtp", dtype="float32")
+    fit(model, tok, steps=150)
+    accepted = 0
+    for prompt in ("The quick brown fox", "Speculative decoding drafts several tokens"):
+        ids = tok.encode(prompt)
+        ref = mlx_lm_greedy(model.backbone, tok, ids, 64)
+        got, rs = ours(model, tok, ids, 64, adaptive=False, prompt_lookup=0)
+        assert_greedy_identical(model, ids, got, ref)
+        assert max(r.drafted for r in rs) == 3
+        accepted += sum(r.accepted for r in rs)
+    assert accepted > 0
+    ids = tok.encode("The quick brown fox")
+    for seed in range(2):
+        spec, _ = ours(model, tok, ids, 24, temp=1.0, seed=seed, adaptive=False)
+        assert spec == ours(plain, tok, ids, 24, temp=1.0, seed=seed)[0], seed
+    check_fine_tuning(path, "mtp", tmp_path, run)

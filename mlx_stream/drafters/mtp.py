@@ -11,8 +11,11 @@ split) under the index of the target's last layer. The first module drafts at ev
 feeding its own output back (vLLM's and SGLang's chained MTP), as :class:`EagleDrafter` does
 for any EAGLE-style layer, verified by the same exact loop (greedy and sampled).
 
-Qwen3-Next / Qwen3.5's ``mtp.*`` modules (recurrent hybrids) and MiMo's ``model.mtp_layers``
-are other layouts, not read here.
+Qwen3-Next stores its module as ``mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm}``
+(the same definition, zero-centred norms that scale by 1 + w) with a full-attention decoder
+layer under ``mtp.layers.0.``, built here as the target's last full-attention layer and drafting
+over the recurrent hybrid through its rows (:class:`~mlx_stream.cache.RecurrentCache`). Qwen3.5's
+(the ``qwen3_5`` wrapper of the same text model) and MiMo's ``model.mtp_layers`` are not read.
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ _OWN = {
     "eh_proj.weight": "eh_proj.weight",
     "shared_head.norm.weight": "head_norm.weight",
 }
+#: Qwen3-Next's names for the same weights (under ``mtp.``; the decoder layer under ``mtp.layers.0.``)
+_QWEN_OWN = {
+    "pre_fc_norm_embedding.weight": "enorm.weight",
+    "pre_fc_norm_hidden.weight": "hnorm.weight",
+    "fc.weight": "eh_proj.weight",
+    "norm.weight": "head_norm.weight",
+}
+#: the config fields that count a checkpoint's MTP modules (DeepSeek / GLM, Qwen3-Next)
+_COUNTS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 #: the checkpoint's copies of the target's embedding and head (the target's are used)
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
@@ -106,16 +118,27 @@ def load_mtp(path, backbone, fingerprint: dict, depth: int = DEPTH):
             f"{path}: no config.json: --heads mtp reads the target's own checkpoint folder"
         )
     cfg = json.loads(cfg_file.read_text())
-    cfg = cfg.get("text_config", cfg) if "num_nextn_predict_layers" not in cfg else cfg
-    n_mtp, L = int(cfg.get("num_nextn_predict_layers") or 0), len(backbone.layers)
+    if not any(k in cfg for k in _COUNTS):
+        cfg = cfg.get("text_config", cfg)
+    count = next((k for k in _COUNTS if cfg.get(k)), None)
+    n_mtp, L = int(cfg.get(count) or 0) if count else 0, len(backbone.layers)
     if n_mtp < 1:
         raise ValueError(
-            f"{path}: this checkpoint has no multi-token-prediction modules (num_nextn_predict_layers "
-            f"is {cfg.get('num_nextn_predict_layers')}); --heads mtp needs a DeepSeek-V3 or GLM-4.5 style one"
+            f"{path}: this checkpoint has no multi-token-prediction modules (num_nextn_predict_layers / "
+            "mtp_num_hidden_layers is 0 or missing); --heads mtp needs a DeepSeek-V3, GLM-4.5 or Qwen3-Next "
+            "style one"
         )
     if int(cfg.get("num_hidden_layers", L)) != L:
         raise ValueError(f"{path}: a config of {cfg['num_hidden_layers']} layers; the loaded target has {L}")
-    block = backbone.layers[-1]
+    # DeepSeek / GLM: the module after the L layers, built as layer L; Qwen3-Next: ``mtp.*``, a
+    # full-attention layer (built at the index of the target's last full-attention layer)
+    qwen = count == "mtp_num_hidden_layers"
+    at = L
+    if qwen:
+        at = next((i for i in reversed(range(L)) if hasattr(backbone.layers[i], "self_attn")), None)
+        if at is None:
+            raise ValueError(f"{path}: no full-attention layer in this target to build its MTP layer as")
+    block = backbone.layers[-1 if not qwen else at]
     module = type(block).__module__
     if (
         not module.startswith("mlx_lm.models.")
@@ -128,7 +151,7 @@ def load_mtp(path, backbone, fingerprint: dict, depth: int = DEPTH):
     H = family(backbone).state_size(backbone)
     if int(cfg.get("hidden_size", H)) != H:
         raise ValueError(f"{path}: MTP modules {cfg['hidden_size']} wide; this target is {H} wide")
-    prefix = f"model.layers.{L}."
+    prefix, names, inner = ("mtp.", _QWEN_OWN, "layers.0.") if qwen else (f"model.layers.{L}.", _OWN, "")
     raw = _mtp_weights(path, prefix)
     if not raw:
         raise ValueError(
@@ -136,19 +159,21 @@ def load_mtp(path, backbone, fingerprint: dict, depth: int = DEPTH):
             "model's original Hugging Face checkpoint folder"
         )
     own, rest = {}, {}
+    slot = at if qwen else L - 1  # the target layer whose name the block takes for its sanitize
     for k, v in raw.items():
         name = k[len(prefix) :]
-        if name in _OWN:
-            own["eagle." + _OWN[name]] = v
-        elif name not in _SHARED:
-            rest[f"model.layers.{L - 1}.{name}"] = v  # as the target's last layer, for its sanitize
-    if set(own) != {"eagle." + n for n in _OWN.values()}:
-        missing = sorted(k for k, n in _OWN.items() if "eagle." + n not in own)
+        if name in names:
+            # (Qwen3-Next's norms scale by 1 + w, as its sanitize makes of the target's)
+            own["eagle." + names[name]] = v + 1.0 if qwen and name != "fc.weight" else v
+        elif name.startswith(inner) and name not in _SHARED:
+            rest[f"model.layers.{slot}.{name[len(inner) :]}"] = v
+    if set(own) != {"eagle." + n for n in names.values()}:
+        missing = sorted(k for k, n in names.items() if "eagle." + n not in own)
         raise ValueError(f"{path}: the MTP module lacks {', '.join(prefix + m for m in missing)}")
     if hasattr(backbone, "sanitize"):
         rest = backbone.sanitize(rest)
-    at = f"model.layers.{L - 1}."
-    own |= {"eagle.layer." + k[len(at) :]: v for k, v in rest.items() if k.startswith(at)}
+    at_key = f"model.layers.{slot}."
+    own |= {"eagle.layer." + k[len(at_key) :]: v for k, v in rest.items() if k.startswith(at_key)}
     dt = _float_dtype(backbone)
     own = {k: v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in own.items()}
     args = {k: v for k, v in asdict(text_args(backbone)).items() if not callable(v)}
@@ -165,7 +190,7 @@ def load_mtp(path, backbone, fingerprint: dict, depth: int = DEPTH):
         fingerprint=dict(fingerprint),
         tree=TREE,
         layer_spec=spec,
-        mtp={"layer_class": type(block).__name__, "layer_index": L},
+        mtp={"layer_class": type(block).__name__, "layer_index": at},
     )
     heads = StreamHeads(config)
     try:

@@ -26,7 +26,7 @@ through these two places decodes plainly instead of wrongly.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -361,10 +361,8 @@ class Generic:
         for c in cache:
             c.tree = (mask, positions)
         try:
-            with (
-                node_positions(backbone, positions, self._ropes),
-                self._recurrent_rows(tokens.shape[0], mask, cache),
-            ):
+            rows = self._recurrent_rows(tokens.shape[0], mask, cache) if self.recurrent else nullcontext()
+            with node_positions(backbone, positions, self._ropes), rows:
                 return self._run(backbone, tokens, cache, capture)
         finally:
             for c in cache:
@@ -376,9 +374,6 @@ class Generic:
         # the path from the root to node i (gathered from the tree's ancestor mask: the mask's
         # last n columns), padded to n and cut by its cache's lengths; node i's output is row i
         # at its own depth (RecurrentCache.rows; keep_path later selects the accepted row)
-        if not self.recurrent:
-            yield
-            return
         anc = mx.tril(mx.ones((n, n), dtype=mx.bool_)) if mask is None else mask[:, -n:]
         depth = anc.sum(axis=-1).astype(mx.int32) - 1
         at = anc[:, None, :] & (depth[None, None, :] == mx.arange(n)[None, :, None])  # (node, t, j)

@@ -29,13 +29,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 #: the options of an MTP module (HeadConfig.mtp)
-MTP_OPTIONS = ("layer_class", "layer_index", "quantization")
+MTP_OPTIONS = ("layer_class", "layer_index", "quantization", "args_class")
 
 
 def build_block(spec: dict, options: dict) -> nn.Module:
     """The MTP module's decoder layer: ``options["layer_class"]`` of mlx-lm's
     ``mlx_lm.models.<spec["model_type"]>`` built from ``spec["args"]`` (the target's
-    ``ModelArgs`` fields) at layer index ``options["layer_index"]``.
+    ``ModelArgs`` fields, or those of ``options["args_class"]``) at layer index
+    ``options["layer_index"]``.
 
     Raises:
         ValueError: the module has no such class, or its constructor does not take
@@ -48,7 +49,9 @@ def build_block(spec: dict, options: dict) -> nn.Module:
             f"mlx_lm.models.{spec['model_type']} has no decoder layer {options['layer_class']!r} "
             "built from (args, layer_idx)"
         )
-    return cls(mod.ModelArgs.from_dict(spec["args"]), int(options["layer_index"]))
+    # (a wrapper's text model has its own arguments class: qwen3_5's TextModelArgs)
+    args = getattr(mod, str(options.get("args_class", "ModelArgs"))).from_dict(spec["args"])
+    return cls(args, int(options["layer_index"]))
 
 
 class MTPDraft(nn.Module):

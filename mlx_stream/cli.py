@@ -46,7 +46,7 @@ _HEADS = typer.Option(
     "--heads",
     help=f"Heads folder, or a published EAGLE-3 or DFlash folder; '{DEFAULT_HEADS}' = the heads "
     f"shipped for the model if any, 'mtp' = the model checkpoint's own MTP modules (DeepSeek-V3, "
-    f"GLM-4.5, Qwen3-Next), '{NO_HEADS}' = plain decoding.",
+    f"GLM-4.5, Qwen3-Next, Qwen3.5), '{NO_HEADS}' = plain decoding.",
 )
 _TREE = typer.Option(
     None,

@@ -342,26 +342,32 @@ QWEN_NORMS = (
 )
 
 
-def write_qwen3_next_checkpoint(path, tok_dir, seed: int = 0):
-    """A tiny Qwen3-Next target (Gated DeltaNet and full-attention layers, MoE) and its MTP
+def write_qwen3_next_checkpoint(path, tok_dir, model_type: str = "qwen3_next", seed: int = 0):
+    """A tiny Qwen3-Next target (Gated DeltaNet and full-attention layers, MoE), or a dense
+    Qwen3.5 (``qwen3_5``: the vision-language wrapper of the same text model), and its MTP
     module in the published layout: ``mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc,
     norm}`` and a full-attention decoder layer under ``mtp.layers.0.`` in Hugging Face naming
     (experts unstacked, zero-centred norms: the checkpoint stores w where the model scales by
     1 + w). Returns (folder, the module's norms and fc as the model applies them, its block
-    in mlx-lm's naming, the target)."""
+    in mlx-lm's naming, the target's text model)."""
     from test_any_model import RECURRENT
 
-    mod = importlib.import_module("mlx_lm.models.qwen3_next")
+    mod = importlib.import_module(f"mlx_lm.models.{model_type}")
     path.mkdir(parents=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / f, path / f)
     V = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
-    cfg = dict(BASE, model_type="qwen3_next", vocab_size=V) | RECURRENT["qwen3_next"]
-    args = mod.ModelArgs.from_dict(cfg)
+    text = dict(BASE, model_type=model_type, vocab_size=V) | RECURRENT["qwen3_next"]
+    if model_type == "qwen3_5":  # (dense: its sanitize stacks no experts)
+        text |= {"num_experts": 0}
+        cfg, args = {"model_type": model_type, "text_config": text}, mod.TextModelArgs.from_dict(text)
+        layer_cls = mod.DecoderLayer
+    else:
+        cfg, args, layer_cls = text, mod.ModelArgs.from_dict(text), mod.Qwen3NextDecoderLayer
     mx.random.seed(seed)
-    target = mod.Model(args)
+    target = mod.Model(mod.ModelArgs.from_dict(cfg))
     at = max(i for i in range(args.num_hidden_layers) if (i + 1) % args.full_attention_interval == 0)
-    block = mod.Qwen3NextDecoderLayer(args, at)
+    block = layer_cls(args, at)
     for m in (target, block):
         m.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, m.parameters()))
     mx.eval(target.parameters(), block.parameters())
@@ -389,23 +395,29 @@ def write_qwen3_next_checkpoint(path, tok_dir, seed: int = 0):
         mx.save_safetensors(str(path / name), w)
     wmap = {k: name for name, w in files.items() for k in w}
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
-    (path / "config.json").write_text(json.dumps(cfg | {"mtp_num_hidden_layers": 1, "eos_token_id": 0}))
+    if model_type == "qwen3_5":
+        cfg = cfg | {"text_config": text | {"mtp_num_hidden_layers": 1}, "eos_token_id": 0}
+    else:
+        cfg = cfg | {"mtp_num_hidden_layers": 1, "eos_token_id": 0}
+    (path / "config.json").write_text(json.dumps(cfg))
     applied = {"enorm": 1.0 + stored["e"], "hnorm": 1.0 + stored["h"], "norm": 1.0 + stored["o"], "fc": fc}
-    return path, applied, block, target
+    return path, applied, block, getattr(target, "language_model", target)
 
 
-@pytest.fixture(scope="module")
-def qwen_ckpt(tiny_dir, tmp_path_factory):
-    return write_qwen3_next_checkpoint(tmp_path_factory.mktemp("qwen") / "qwen3_next", tiny_dir)
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+def qwen_ckpt(request, tiny_dir, tmp_path_factory):
+    return write_qwen3_next_checkpoint(
+        tmp_path_factory.mktemp("qwen") / request.param, tiny_dir, request.param
+    )
 
 
 def test_qwen3_next_mtp_drafts_equal_a_sequential_reference(qwen_ckpt):
-    """Qwen3-Next's own MTP module over its hybrid target: the drafted logits at every step
+    """Qwen3-Next's (and Qwen3.5's) own MTP module over its hybrid target: the drafted logits at every step
     equal the published definition computed sequentially (fc over [norm_e(e); norm_h(h)], the
     full-attention block, norm, the target's head), depth after depth."""
     path, w, block, target = qwen_ckpt
     model, tok = load(str(path), heads="mtp", dtype="float32")
-    assert model.family.recurrent and model.heads.config.mtp["layer_class"] == "Qwen3NextDecoderLayer"
+    assert model.family.recurrent and model.heads.config.mtp["layer_class"] == type(block).__name__
     ids = tok.encode("The quick brown fox jumps over")
     hs = model.family.prefill_hidden(model.backbone, mx.array(ids), make_tree_cache(model.backbone))[0]
     np.testing.assert_allclose(np.array(hs), np.array(target.model(mx.array([ids]))[0]), atol=1e-4)
@@ -426,7 +438,7 @@ def test_qwen3_next_mtp_drafts_equal_a_sequential_reference(qwen_ckpt):
         worst = max(worst, float(np.abs(got - want).max()))
         assert drafts[d] == int(np.argmax(want)), d
         ctx, toks = mx.concatenate([ctx, h[-1:]]), toks + [drafts[d]]
-    print(f"\nqwen3_next: max |dlogit| over 3 MTP drafting steps {worst:.2e}")
+    print(f"\n{type(target).__module__}: max |dlogit| over 3 MTP drafting steps {worst:.2e}")
     assert worst < 1e-3 * max(1.0, float(np.abs(want).max())), worst
 
 

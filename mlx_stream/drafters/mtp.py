@@ -14,8 +14,9 @@ for any EAGLE-style layer, verified by the same exact loop (greedy and sampled).
 Qwen3-Next stores its module as ``mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm}``
 (the same definition, zero-centred norms that scale by 1 + w) with a full-attention decoder
 layer under ``mtp.layers.0.``, built here as the target's last full-attention layer and drafting
-over the recurrent hybrid through its rows (:class:`~mlx_stream.cache.RecurrentCache`). Qwen3.5's
-(the ``qwen3_5`` wrapper of the same text model) and MiMo's ``model.mtp_layers`` are not read.
+over the recurrent hybrid through its rows (:class:`~mlx_stream.cache.RecurrentCache`); so does
+Qwen3.5's (``qwen3_5``, the vision-language wrapper of the same text model, whose sanitize leaves
+the module's norms unshifted: they are shifted here). MiMo's ``model.mtp_layers`` are not read.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ _QWEN_OWN = {
     "fc.weight": "eh_proj.weight",
     "norm.weight": "head_norm.weight",
 }
+#: the decoder layer's zero-centred norms in Qwen3-Next's layout
+_QWEN_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 #: the config fields that count a checkpoint's MTP modules (DeepSeek / GLM, Qwen3-Next)
 _COUNTS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 #: the checkpoint's copies of the target's embedding and head (the target's are used)
@@ -170,10 +173,23 @@ def load_mtp(path, backbone, fingerprint: dict, depth: int = DEPTH):
     if set(own) != {"eagle." + n for n in names.values()}:
         missing = sorted(k for k, n in names.items() if "eagle." + n not in own)
         raise ValueError(f"{path}: the MTP module lacks {', '.join(prefix + m for m in missing)}")
+    raw_block = dict(rest)
     if hasattr(backbone, "sanitize"):
         rest = backbone.sanitize(rest)
-    at_key = f"model.layers.{slot}."
-    own |= {"eagle.layer." + k[len(at_key) :]: v for k, v in rest.items() if k.startswith(at_key)}
+    at_key = f"layers.{slot}."  # (a wrapper's sanitize may prefix it: qwen3_5's language_model.model.)
+    block_w = {k[k.index(at_key) + len(at_key) :]: v for k, v in rest.items() if at_key in k}
+    if qwen:  # zero-centred norms that the target's sanitize left as stored (qwen3_5 shifts them only
+        # beside its convolution weights, which the module has none of): 1 + w, as the model applies them
+        for k, v in block_w.items():
+            stored = raw_block.get(f"model.layers.{slot}.{k}")
+            if (
+                k.endswith(_QWEN_NORMS)
+                and stored is not None
+                and v.ndim == 1
+                and mx.array_equal(v, stored).item()
+            ):
+                block_w[k] = v + 1.0
+    own |= {"eagle.layer." + k: v for k, v in block_w.items()}
     dt = _float_dtype(backbone)
     own = {k: v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in own.items()}
     args = {k: v for k, v in asdict(text_args(backbone)).items() if not callable(v)}
@@ -190,7 +206,12 @@ def load_mtp(path, backbone, fingerprint: dict, depth: int = DEPTH):
         fingerprint=dict(fingerprint),
         tree=TREE,
         layer_spec=spec,
-        mtp={"layer_class": type(block).__name__, "layer_index": at},
+        mtp={"layer_class": type(block).__name__, "layer_index": at}
+        | (
+            {}
+            if type(text_args(backbone)).__name__ == "ModelArgs"
+            else {"args_class": type(text_args(backbone)).__name__}
+        ),
     )
     heads = StreamHeads(config)
     try:

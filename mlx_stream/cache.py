@@ -394,9 +394,9 @@ def cache_kinds(backbone) -> list:
     return [KVCache() for _ in backbone.layers]
 
 
-def chain_kinds(backbone) -> bool:
+def rows_kinds(backbone) -> bool:
     """Whether every cache ``backbone`` asks for either keeps keys and values or is a
-    recurrent ``ArraysCache`` (a model that may verify chains: :class:`RecurrentCache`)."""
+    recurrent ``ArraysCache`` (a model that may verify drafts by rows: :class:`RecurrentCache`)."""
     kinds = cache_kinds(backbone)
     return all(
         type(c).__name__ == "KVCache"
@@ -427,8 +427,8 @@ def make_tree_cache(backbone, max_kv_size: int | None = None) -> list:
     :class:`WindowKVCache` of that window without sinks: its entries stay in order a little
     past the window (bounded memory) and the window is applied by the mask, so a rejected
     draft can be rewound (mlx-lm's own rotating cache cannot trim once it wraps). A hybrid
-    whose other layers are recurrent (``ArraysCache``, :func:`chain_kinds`) keeps those as
-    :class:`RecurrentCache` (chains verified) beside rewindable attention caches. Where the
+    whose other layers are recurrent (``ArraysCache``, :func:`rows_kinds`) keeps those as
+    :class:`RecurrentCache` (drafts verified by rows) beside rewindable attention caches. Where the
     model asks for other caches that cannot be rewound (:func:`unrewindable`), every entry
     is the model's own cache (:class:`OwnCache`): plain decoding only.
 
@@ -441,26 +441,22 @@ def make_tree_cache(backbone, max_kv_size: int | None = None) -> list:
     if unrewindable(backbone) is not None:
         if max_kv_size is not None:
             raise ValueError("max_kv_size: this model builds caches of its own kind; leave out max_kv_size")
-        if not chain_kinds(backbone):
+        if not rows_kinds(backbone):
             return [own_cache(c) for c in kinds]
-        # a hybrid: recurrent layers' own caches (chains verified by rows), attention layers' rewindable
-        return [
-            own_cache(c)
-            if type(c) is ArraysCache
-            else WindowKVCache(c.max_size, keep=0)
-            if type(c).__name__ == "RotatingKVCache"
-            else TreeKVCache()
-            for c in kinds
-        ]
-    if max_kv_size is not None:
+    elif max_kv_size is not None:
         if "RotatingKVCache" in names:
             raise ValueError(
                 "max_kv_size: this model's sliding-window layers already bound their caches "
                 "(mlx-lm ignores max_kv_size for it too); leave out max_kv_size"
             )
         return [WindowKVCache(max_kv_size) for _ in kinds]
+    # (a hybrid's recurrent layers: their own caches, drafts verified by rows; the rest rewindable)
     return [
-        WindowKVCache(c.max_size, keep=0) if type(c).__name__ == "RotatingKVCache" else TreeKVCache()
+        own_cache(c)
+        if type(c) is ArraysCache
+        else WindowKVCache(c.max_size, keep=0)
+        if type(c).__name__ == "RotatingKVCache"
+        else TreeKVCache()
         for c in kinds
     ]
 

@@ -537,10 +537,8 @@ def stream_generate(
         delta, kept, reason = emitter.push(step.emitted, out_of_room=room is not None and room <= 0)
         response = _response(step, delta, kept, reason, emitter, len(ids), reused, prompt_tps, n_fwd, tic)
         if reason is not None:
-            if (
-                in_flight is not None
-            ):  # its forward wrote the root's entries (and its drafts'): the root's kept
-                keep_path(cache.layers, in_flight.start, [0])  # (a recurrent layer: the root's row)
+            if in_flight is not None:  # its forward wrote the root's entries and its drafts'
+                keep_path(cache.layers, in_flight.start, [0])  # the root's (a recurrent layer: its row)
                 cache.tokens.append(step.next_token)
             if model.datastore is not None:  # the answer joins the store of past answers
                 model.datastore.remember(emitter.tokens)

@@ -36,9 +36,9 @@ from ..cache import (
     OwnCache,
     RecurrentCache,
     cache_kinds,
-    chain_kinds,
     keep_path,
     make_tree_cache,
+    rows_kinds,
     unrewindable,
 )
 from .args import text_args
@@ -221,7 +221,7 @@ class Generic:
     def __init__(self, backbone: nn.Module):
         kinds = cache_kinds(backbone)
         own = unrewindable(backbone)  # recurrent layers: the model's own caches
-        hybrid = own is not None and chain_kinds(backbone)  # recurrent layers beside attention: rows
+        hybrid = own is not None and rows_kinds(backbone)  # recurrent layers beside attention: rows
         self.windowed = (own is None or hybrid) and any(type(c).__name__ == "RotatingKVCache" for c in kinds)
         self.vocab = int(text_args(backbone).vocab_size)
         self._ropes = rope_slots(backbone)  # (found once per model: a tree step swaps them)
